@@ -1,0 +1,1 @@
+"""LoRA adapter store, validation and hot-swap (selfspec.adapters)."""

@@ -1,0 +1,114 @@
+"""``selfspec generate``: one prompt through the target, speculating with draft heads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from selfspec.cli_args import parse_dataclass
+from selfspec.heads.config import HeadKind
+from selfspec.sampling import SamplingParams
+from selfspec.tree import DraftSampling, parse_tree_spec
+
+PROG = "selfspec generate"
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    prompt: str = field(metadata={"help": "the user prompt"})
+    model: str | None = field(
+        default=None, metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"}
+    )
+    heads: str = field(
+        default="eagle",
+        metadata={"help": "heads dir, or 'eagle' / 'medusa' for the heads shipped for the default model"},
+    )
+    chat: bool = field(default=True, metadata={"help": "wrap the prompt in the model's chat template"})
+    max_new_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k likeliest; 0 = all"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
+    seed: int | None = field(default=None, metadata={"help": "seed of the request's generator"})
+    tree: str = field(
+        default="auto",
+        metadata={"help": "auto | static | chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"},
+    )
+    draft_sampling: DraftSampling = field(
+        default=DraftSampling.TOP_K, metadata={"help": "how children are drawn when sampling"}
+    )
+    speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
+    stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
+    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    json: bool = field(default=False, metadata={"help": "print text, token ids and stats as one JSON object"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        parse_tree_spec(self.tree)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def resolve_heads(args: GenerateArgs, target_model: object, is_default_target: bool) -> object | None:
+    """The heads module to speculate with, or None for --no-speculation."""
+    from selfspec.heads import load_heads
+    from selfspec.shipped import shipped_heads_dir
+
+    if not args.speculation:
+        return None
+    if args.heads in (HeadKind.EAGLE.value, HeadKind.MEDUSA.value):
+        if not is_default_target:
+            raise ValueError(
+                f"--heads {args.heads} names the heads shipped for the embedded default model; "
+                "for another model pass --heads DIR (heads trained on it) or --no-speculation"
+            )
+        return load_heads(shipped_heads_dir(args.heads), target_model)
+    return load_heads(args.heads, target_model)
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
+    from selfspec.fingerprint import FingerprintMismatch
+    from selfspec.generation import GenerationConfig, SpeculativeGenerator
+    from selfspec.heads import HeadsCheckpointError
+    from selfspec.target import TargetLoadError, TargetSpec, apply_chat_template, load_target
+
+    try:
+        target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
+        heads = resolve_heads(args, target.model, args.model in (None, "default"))
+        tokenizer = target.tokenizer
+        prompt_ids = apply_chat_template(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
+        config = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+            seed=args.seed,
+            stop_strings=args.stop,
+            speculate=args.speculation,
+            tree=parse_tree_spec(args.tree),
+            draft_sampling=args.draft_sampling,
+        )
+        generator = SpeculativeGenerator(target.model, heads, tokenizer)
+        stream = generator.stream(prompt_ids, config)
+    except (TargetLoadError, HeadsCheckpointError, FingerprintMismatch, FileNotFoundError, ValueError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    for step in stream:
+        if not args.json:
+            print(step.text, end="", flush=True)
+    result = stream.result
+    if args.json:
+        print(json.dumps({"model": target.name, **result.to_dict()}))
+        return 0
+    stats = result.stats
+    depth_rates = " ".join(f"{r:.2f}" for r in stats.acceptance_by_depth())
+    print(
+        f"\n\n[{target.name}] {stats.new_tokens} tokens, finish={result.finish_reason.value}, "
+        f"tau={stats.tau:.2f}, acceptance by depth=[{depth_rates}], "
+        f"prefill={stats.prefill_seconds * 1000:.0f} ms, decode={stats.decode_seconds:.2f} s "
+        f"({stats.decode_tokens_per_second:.1f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,30 @@
+"""Drafting: grow a tree from heads (Medusa or EAGLE)."""
+
+from selfspec.drafting.base import Drafter
+from selfspec.drafting.eagle import EagleDrafter, EagleState
+from selfspec.drafting.grow import DraftPlan, draw_children, grow_tree
+from selfspec.drafting.medusa import MedusaDrafter, MedusaState
+
+__all__ = [
+    "DraftPlan",
+    "Drafter",
+    "EagleDrafter",
+    "EagleState",
+    "MedusaDrafter",
+    "MedusaState",
+    "draw_children",
+    "grow_tree",
+    "make_drafter",
+]
+
+
+def make_drafter(heads: object, target: object) -> Drafter:
+    """The drafter for a heads module (MedusaHeads or EagleHead)."""
+    from selfspec.heads.eagle import EagleHead
+    from selfspec.heads.medusa import MedusaHeads
+
+    if isinstance(heads, MedusaHeads):
+        return MedusaDrafter(heads, target)  # type: ignore[arg-type]
+    if isinstance(heads, EagleHead):
+        return EagleDrafter(heads, target)  # type: ignore[arg-type]
+    raise TypeError(f"not a heads module: {type(heads).__name__}")

@@ -1,0 +1,31 @@
+"""What the decoding loop needs from a draft: start on a prompt, draft a tree, advance."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from selfspec.drafting.grow import DraftPlan
+from selfspec.tree import Tree
+
+
+class Drafter(Protocol):
+    """Stateless view of a set of heads; all per-request state lives in the returned state."""
+
+    def start(
+        self,
+        prompt_features: torch.Tensor,  # [S, H] target features of the prompt
+        prompt_tokens: torch.Tensor,  # [S]
+        first_token: int,  # the token the target produced after the prompt
+    ) -> Any: ...
+
+    def draft(self, state: Any, root_token: int, plan: DraftPlan, generator: torch.Generator | None) -> Tree: ...
+
+    def advance(
+        self,
+        state: Any,
+        accepted_features: torch.Tensor,  # [A, H] target features of the accepted path, root first
+        accepted_tokens: torch.Tensor,  # [A]
+        bonus: int,
+    ) -> None: ...

@@ -1,0 +1,176 @@
+"""Grow a draft tree, static or dynamic, from any head that can score a frontier of nodes.
+
+The head is reached through ``expand(tree, frontier) -> draft logits # [F, vocab]`` for the
+children of each frontier node, so Medusa (one distribution per depth) and EAGLE (one forward per
+depth) share the same growth, scoring and selection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from selfspec.sampling import SamplingParams, warp_probs
+from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How one step drafts: the tree shape, how children are drawn, and the sampling warp."""
+
+    tree: TreeSpec
+    sampling: DraftSampling = DraftSampling.TOP_K
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass
+class GrowingTree:
+    """Nodes appended in creation order: parents first, siblings in draw order."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    ranks: list[int] = field(default_factory=lambda: [0])
+    scores: list[float] = field(default_factory=lambda: [0.0])
+    expanded_row: list[int] = field(default_factory=lambda: [-1])
+    prob_rows: list[torch.Tensor] = field(default_factory=list)  # each [vocab]
+    draw_rows: list[torch.Tensor] = field(default_factory=list)  # each [k]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, rank: int, logprob: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.ranks.append(rank)
+        self.scores.append(self.scores[parent] + logprob)
+        self.expanded_row.append(-1)
+        return self.size - 1
+
+
+ExpandFn = Callable[[GrowingTree, list[int]], torch.Tensor]
+
+
+def draw_children(
+    logits: torch.Tensor,  # [F, vocab]
+    k: int,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k children per row: tokens # [F, k] (-1 where none could be drawn), their draft
+    log-probs # [F, k] for scoring, and the distribution they were drawn from # [F, vocab]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k = min(k, logits.shape[-1])
+    if plan.sampling is DraftSampling.TOP_K or plan.params.greedy:
+        values, tokens = torch.topk(logprobs, k, dim=-1)
+        return tokens, values, logprobs.exp()
+    probs = warp_probs(logits, plan.params)  # [F, vocab]
+    uniform = torch.rand(probs.shape, generator=generator, device=probs.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+    perturbed, tokens = torch.topk(probs.log() + gumbel, k, dim=-1)  # Gumbel top-k
+    tokens = torch.where(torch.isfinite(perturbed), tokens, -1)  # ran out of support
+    return tokens, logprobs.gather(-1, tokens.clamp(min=0)), probs
+
+
+def _expand_frontier(
+    tree: GrowingTree,
+    frontier: list[int],
+    k: int,
+    expand: ExpandFn,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Draw k children for each frontier node; record the draft rows. Returns tokens, logprobs."""
+    logits = expand(tree, frontier)  # [F, vocab]
+    tokens, logprobs, probs = draw_children(logits, k, plan, generator)
+    for i, node in enumerate(frontier):
+        tree.expanded_row[node] = len(tree.prob_rows)
+        tree.prob_rows.append(probs[i])
+        tree.draw_rows.append(tokens[i])
+    return tokens.tolist(), logprobs.tolist()
+
+
+def grow_dynamic(
+    root_token: int, expand: ExpandFn, spec: DynamicTree, plan: DraftPlan, generator: torch.Generator | None
+) -> Tree:
+    tree = GrowingTree(tokens=[root_token])
+    frontier = [0]
+    for depth in range(1, spec.depth + 1):
+        tokens, logprobs = _expand_frontier(tree, frontier, spec.top_k, expand, plan, generator)
+        new_nodes = [
+            tree.add(parent, token, rank, logprob)
+            for parent, row_tokens, row_logprobs in zip(frontier, tokens, logprobs, strict=True)
+            for rank, (token, logprob) in enumerate(zip(row_tokens, row_logprobs, strict=True))
+            if token >= 0
+        ]
+        if depth == spec.depth or not new_nodes:
+            break
+        # Expand the most confident new nodes next (stable: ties keep creation order).
+        frontier = sorted(new_nodes, key=lambda n: -tree.scores[n])[: spec.top_k]
+        frontier.sort()
+    # Keep the best `budget` drafted nodes. A child never outscores its parent (log-probs <= 0)
+    # and ties keep creation order, so every kept node's parent is kept too.
+    ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
+    return _finish(tree, [0, *sorted(ranked[: spec.budget])], plan)
+
+
+def grow_static(
+    root_token: int, expand: ExpandFn, spec: StaticTree, plan: DraftPlan, generator: torch.Generator | None
+) -> Tree:
+    tree = GrowingTree(tokens=[root_token])
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    prefixes = spec.nodes()
+    for depth in range(1, spec.depth + 1):
+        layer = [p for p in prefixes if len(p) == depth and p[:-1] in node_of]
+        parents = sorted({p[:-1] for p in layer}, key=lambda p: node_of[p])
+        if not parents:
+            break
+        frontier = [node_of[p] for p in parents]
+        width = 1 + max(p[-1] for p in layer)
+        tokens, logprobs = _expand_frontier(tree, frontier, width, expand, plan, generator)
+        row_of = {parent: i for i, parent in enumerate(parents)}
+        for prefix in layer:  # sorted by (parent prefix, rank): siblings in draw order
+            row, rank = row_of[prefix[:-1]], prefix[-1]
+            if tokens[row][rank] >= 0:
+                node_of[prefix] = tree.add(node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank])
+    return _finish(tree, list(range(tree.size)), plan)
+
+
+def grow_tree(
+    root_token: int, expand: ExpandFn, plan: DraftPlan, generator: torch.Generator | None
+) -> Tree:
+    if isinstance(plan.tree, StaticTree):
+        return grow_static(root_token, expand, plan.tree, plan, generator)
+    return grow_dynamic(root_token, expand, plan.tree, plan, generator)
+
+
+def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan) -> Tree:
+    """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents."""
+    new_index = {old: new for new, old in enumerate(keep)}
+    device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")
+    vocab = tree.prob_rows[0].shape[-1] if tree.prob_rows else 0
+    width = max((int(r.shape[0]) for r in tree.draw_rows), default=1)
+    draws = torch.full((max(len(tree.draw_rows), 1), width), -1, dtype=torch.long, device=device)
+    for i, row in enumerate(tree.draw_rows):
+        draws[i, : row.shape[0]] = row
+    sampled = plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy
+    # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
+    probs = torch.stack(tree.prob_rows) if (sampled and tree.prob_rows) else torch.zeros(0, vocab, device=device)
+
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return Tree(
+        tokens=column([tree.tokens[n] for n in keep]),
+        parents=column([new_index[tree.parents[n]] if n else -1 for n in keep]),
+        depths=column([tree.depths[n] for n in keep]),
+        draw_ranks=column([tree.ranks[n] for n in keep]),
+        expanded_row=column([tree.expanded_row[n] for n in keep]),
+        draft_probs=probs,
+        draws=draws,
+        sampling=DraftSampling.WITHOUT_REPLACEMENT if sampled else DraftSampling.TOP_K,
+    )

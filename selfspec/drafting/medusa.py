@@ -1,0 +1,48 @@
+"""Medusa drafting: one head call per step gives a distribution for every depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.target_forward import TargetForward
+from selfspec.tree import StaticTree, Tree
+
+
+@dataclass
+class MedusaState:
+    feature: torch.Tensor  # [H] target feature of the last accepted node
+
+
+class MedusaDrafter:
+    def __init__(self, heads: MedusaHeads, target: TargetForward) -> None:
+        self.heads = heads
+        self.target = target
+
+    def start(self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int) -> MedusaState:
+        return MedusaState(feature=prompt_features[-1])
+
+    def draft(
+        self, state: MedusaState, root_token: int, plan: DraftPlan, generator: torch.Generator | None
+    ) -> Tree:
+        num_heads = self.heads.config.num_heads
+        depth = plan.tree.depth
+        if depth > num_heads:
+            kind = "static" if isinstance(plan.tree, StaticTree) else "dynamic"
+            raise ValueError(f"{kind} tree depth {depth} exceeds the {num_heads} Medusa heads")
+        # Head k predicts the children of nodes at depth k (the root's children: head 0).
+        head_logits = self.target.logits(self.heads(state.feature))  # [K, vocab]
+
+        def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
+            depths = torch.tensor([tree.depths[n] for n in frontier], device=head_logits.device)
+            return head_logits[depths]  # [F, vocab]
+
+        return grow_tree(root_token, expand, plan, generator)
+
+    def advance(
+        self, state: MedusaState, accepted_features: torch.Tensor, accepted_tokens: torch.Tensor, bonus: int
+    ) -> None:
+        state.feature = accepted_features[-1]

@@ -1,0 +1,314 @@
+"""The decoding loop: prefill, then draft -> one tree forward -> verify -> commit, streamed.
+
+The same loop runs vanilla decoding (a tree of just the root), so baselines and equality tests
+go through the very code that speculates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from selfspec.drafting import DraftPlan, Drafter, make_drafter
+from selfspec.heads.medusa import MedusaHeads
+from selfspec.kv_commit import commit_accepted
+from selfspec.sampling import SamplingParams, sample_from, warp_probs
+from selfspec.stats import GenerationStats, StepRecord
+from selfspec.target_forward import TargetForward
+from selfspec.tree import DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
+from selfspec.verify import verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None
+    """Seeds the request's own generator; the same seed gives the same output."""
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
+    """None: the tokenizer's / model's EOS ids."""
+    speculate: bool = True
+    """False: vanilla decoding through the same loop (needs no heads)."""
+    tree: TreeSpec | None = None
+    """None: the heads' default (``default_tree``)."""
+    draft_sampling: DraftSampling = DraftSampling.TOP_K
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    """EOS or a stop string."""
+    LENGTH = "length"
+    """max_new_tokens reached."""
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    """Tokens committed by this step (after stop truncation)."""
+    text: str
+    """Text delta for these tokens ("" without a tokenizer)."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class RequestState:
+    """Everything one request's steps read and write."""
+
+    cache: DynamicCache
+    generator: torch.Generator
+    committed_len: int
+    root_token: int
+    draft_state: Any = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class SpeculativeGenerator:
+    """Generates from a target (optionally peft-wrapped) with draft heads.
+
+    Holds references only; every request gets its own RequestState.
+    """
+
+    def __init__(self, model: PreTrainedModel, heads: nn.Module | None = None, tokenizer: Any = None) -> None:
+        self.target = TargetForward(model)
+        self.heads = heads
+        self.drafter: Drafter | None = make_drafter(heads, self.target) if heads is not None else None
+        self.tokenizer = tokenizer
+        self.context_limit = _context_limit(model)
+        self.default_stop_ids = _eos_ids(model, tokenizer)
+
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
+        stream = self.stream(prompt_ids, config)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationStream:
+        self._validate(prompt_ids, config)
+        return GenerationStream(self, list(prompt_ids), config)
+
+    def _validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        if len(prompt_ids) == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.target.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if config.speculate and self.drafter is None:
+            raise ValueError("speculation needs heads: pass heads, or set speculate=False")
+        if config.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        depth = self.tree_for(config).depth if config.speculate else 0
+        if config.speculate and isinstance(self.heads, MedusaHeads) and depth > self.heads.config.num_heads:
+            raise ValueError(f"tree depth {depth} exceeds the {self.heads.config.num_heads} Medusa heads")
+        needed = len(prompt_ids) + config.max_new_tokens + depth
+        if self.context_limit is not None and needed > self.context_limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
+                f"+ tree depth ({depth}) = {needed} exceeds the model's context of {self.context_limit}"
+            )
+
+    def tree_for(self, config: GenerationConfig) -> TreeSpec:
+        if config.tree is not None:
+            return config.tree
+        if isinstance(self.heads, MedusaHeads):
+            return DynamicTree(top_k=4, depth=self.heads.config.num_heads, budget=24)
+        return DynamicTree()
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def prefill(self, prompt: torch.Tensor, config: GenerationConfig) -> RequestState:
+        """prompt: # [S] -> state with the first token chosen and the cache filled."""
+        device = self.target.device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+        cache = self.target.new_cache()
+        positions = torch.arange(prompt.shape[0], device=device)[None]
+        features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
+        logits = self.target.logits(features[-1])  # [vocab]
+        first = _choose(logits, config.sampling, generator)
+        state = RequestState(cache=cache, generator=generator, committed_len=prompt.shape[0], root_token=first)
+        if config.speculate:
+            state.draft_state = self.drafter.start(features, prompt, first)
+        return state
+
+    def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
+        """Draft, verify in one target forward, commit. Returns the newly committed tokens."""
+        if config.speculate:
+            plan = DraftPlan(tree=self.tree_for(config), sampling=config.draft_sampling, params=config.sampling)
+            tree = self.drafter.draft(state.draft_state, state.root_token, plan, state.generator)
+        else:
+            tree = _root_only(state.root_token, self.target.device)
+        buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
+        features = self.target.features(
+            tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
+        )[0]  # [T, H]
+        logits = self.target.logits(features)  # [T, vocab]
+        if config.sampling.greedy:
+            verdict = verify_greedy(tree, buffers.ancestors, logits)
+        else:
+            verdict = verify_sampling(tree, logits, config.sampling, state.generator)
+        commit_accepted(state.cache, state.committed_len, verdict.accepted)
+        state.committed_len += int(verdict.accepted.shape[0])
+        accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
+        if config.speculate:
+            self.drafter.advance(state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus)
+        state.root_token = verdict.bonus
+        state.stats.steps.append(
+            StepRecord(accepted=verdict.num_drafted_accepted, tree_size=tree.size, tree_depth=int(tree.depths.max()))
+        )
+        return [*accepted_tokens[1:].tolist(), verdict.bonus]
+
+
+class GenerationStream:
+    """Iterate to get StepOutputs as they are committed; ``result`` once exhausted."""
+
+    def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], config: GenerationConfig) -> None:
+        self._owner = generator
+        self._prompt_ids = prompt_ids
+        self._config = config
+        self._state: RequestState | None = None
+        self._result: GenerationResult | None = None
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            raise RuntimeError("the stream has not finished yet")
+        return self._result
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        owner, config = self._owner, self._config
+        stop_ids = set(config.stop_token_ids if config.stop_token_ids is not None else owner.default_stop_ids)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=owner.target.device)
+            state = owner.prefill(prompt, config)
+            self._state = state
+            state.stats.prompt_tokens = len(self._prompt_ids)
+            state.stats.prefill_seconds = time.perf_counter() - started
+            output = self._commit(state, [state.root_token], stop_ids)
+            if output.token_ids:
+                yield output
+            decode_started = time.perf_counter()
+            while state.finish_reason is None:
+                output = self._commit(state, owner.step(state, config), stop_ids)
+                state.stats.decode_seconds = time.perf_counter() - decode_started
+                if output.token_ids:
+                    yield output
+        state.stats.new_tokens = len(state.token_ids)
+        self._result = GenerationResult(
+            token_ids=state.token_ids, text=state.text, finish_reason=state.finish_reason, stats=state.stats
+        )
+
+    def _commit(self, state: RequestState, tokens: list[int], stop_ids: set[int]) -> StepOutput:
+        """Append tokens up to the first stop condition; returns what was appended."""
+        config = self._config
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            if token in stop_ids:
+                state.finish_reason = FinishReason.STOP
+                break
+            if len(state.token_ids) + len(kept) >= config.max_new_tokens:
+                state.finish_reason = FinishReason.LENGTH
+                break
+        state.token_ids.extend(kept)
+        previous_text = state.text
+        if self._owner.tokenizer is not None:
+            text = self._owner.tokenizer.decode(state.token_ids, skip_special_tokens=True)
+            cut = _first_stop(text, config.stop_strings, len(previous_text))
+            if cut is not None:
+                text = text[:cut]
+                state.finish_reason = FinishReason.STOP
+            elif state.finish_reason is None and text.endswith("\ufffd"):
+                text = previous_text  # hold back an incomplete multi-byte character
+            state.text = text
+        delta = state.text[len(previous_text):] if state.text.startswith(previous_text) else state.text
+        return StepOutput(token_ids=kept, text=delta)
+
+
+def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | None:
+    """Index of the earliest stop string that ends after ``checked_up_to``."""
+    found = None
+    for stop in stops:
+        index = text.find(stop, max(0, checked_up_to - len(stop) + 1))
+        if index >= 0 and (found is None or index < found):
+            found = index
+    return found
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """logits: # [vocab]"""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample_from(warp_probs(logits, params), generator))
+
+
+def _root_only(root_token: int, device: torch.device) -> Tree:
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return Tree(
+        tokens=torch.tensor([root_token], device=device),
+        parents=torch.tensor([-1], device=device),
+        depths=zero,
+        draw_ranks=zero,
+        expanded_row=torch.tensor([-1], device=device),
+        draft_probs=torch.zeros(0, 1, device=device),
+        draws=torch.full((1, 1), -1, device=device),
+        sampling=DraftSampling.TOP_K,
+    )
+
+
+def _context_limit(model: PreTrainedModel) -> int | None:
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)]
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        sources.append(generation_config.eos_token_id)
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list | tuple):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))

@@ -1,0 +1,138 @@
+"""EAGLE head: one decoder layer that predicts the target's next feature.
+
+Input at position t+1 is ``fc([embed(token_{t+1}); feature_t])`` with the target's own embedding
+table; the layer attends over earlier positions through its own small KV cache; its output is
+the predicted feature at t+1, which the target's own lm_head turns into logits for token t+2.
+The layer is written here (RMSNorm, rotary attention, SwiGLU MLP), independent of the target's
+architecture, so it attaches to any HF causal LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfspec.heads.config import HeadKind, HeadsConfig
+
+
+@dataclass
+class EagleCache:
+    """Keys and values of the EAGLE layer(s) for one request. Owned by the request's state."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [B, heads, P, head_dim]
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else int(self.keys[0].shape[-2])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+        return self.keys[layer], self.values[layer]
+
+    def crop(self, length: int) -> None:
+        self.keys = [k[..., :length, :] for k in self.keys]
+        self.values = [v[..., :length, :] for v in self.values]
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for the given positions. positions: # [B, S] -> each # [B, 1, S, head_dim]"""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    )
+    angles = positions.float().unsqueeze(-1) * inv_freq  # [B, S, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, S, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: # [B, heads, S, head_dim]"""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class EagleDecoderLayer(nn.Module):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.attn_norm = nn.RMSNorm(hidden, eps=config.norm_eps)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden, eps=config.norm_eps)
+        self.gate_up = nn.Linear(hidden, 2 * config.mlp_size, bias=False)
+        self.down = nn.Linear(config.mlp_size, hidden, bias=False)
+        # Zero output projections: an untrained layer passes its input through unchanged.
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, H]
+        rope: tuple[torch.Tensor, torch.Tensor],  # each [B, 1, S, head_dim]
+        attend: torch.Tensor,  # [B, 1, S, P + S] bool, True where attention is allowed
+        cache: EagleCache | None,
+        layer_index: int,
+    ) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(hidden, dim=-1)
+        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, heads, S, head_dim]
+        if cache is not None:
+            k, v = cache.append(layer_index, k, v)  # [B, heads, P + S, head_dim]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)  # [B, heads, S, hd]
+        x = x + self.out(attn.transpose(1, 2).reshape(batch, seq, hidden))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        if config.kind is not HeadKind.EAGLE:
+            raise ValueError(f"EagleHead needs kind=eagle, got {config.kind.value}")
+        self.config = config
+        hidden = config.hidden_size
+        self.fuse = nn.Linear(2 * hidden, hidden, bias=True)
+        # Start as "next feature = this feature": identity on the feature half, zero elsewhere.
+        with torch.no_grad():
+            self.fuse.weight.zero_()
+            self.fuse.weight[:, hidden:] = torch.eye(hidden)
+            self.fuse.bias.zero_()
+        self.layers = nn.ModuleList(EagleDecoderLayer(config) for _ in range(config.num_layers))
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,  # [B, S, H] target embeddings of token t+1
+        features: torch.Tensor,  # [B, S, H] features at position t (target's or predicted)
+        positions: torch.Tensor,  # [B, S] positions of token t+1
+        attend: torch.Tensor | None = None,  # [B, 1, S, P + S] bool; None = causal over cache+S
+        cache: EagleCache | None = None,
+    ) -> torch.Tensor:
+        """Predicted features at the positions of the input tokens. # [B, S, H]"""
+        x = self.fuse(torch.cat([token_embeds, features], dim=-1))
+        if attend is None:
+            past = 0 if cache is None else cache.length
+            attend = causal_attend(x.shape[1], past, x.device)
+        rope = rotary(positions, self.layers[0].head_dim, self.config.rope_theta)
+        rope = (rope[0].to(x.dtype), rope[1].to(x.dtype))
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, attend, cache, index)
+        return x
+
+
+def causal_attend(seq: int, past: int, device: torch.device) -> torch.Tensor:
+    """Every past entry plus a causal block over the new ones. # [1, 1, S, P + S] bool"""
+    new = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    old = torch.ones(seq, past, dtype=torch.bool, device=device)
+    return torch.cat([old, new], dim=-1)[None, None]

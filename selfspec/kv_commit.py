@@ -1,0 +1,31 @@
+"""Keep only the accepted path's entries of a verified tree in the target's KV cache."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Tensor) -> None:
+    """Drop rejected tree entries, moving the accepted ones (in path order) right after the prefix.
+
+    The cache holds ``committed_len`` entries followed by one entry per tree node.
+    accepted: # [A] tree node indices, ascending (root first).
+    """
+    num_accepted = int(accepted.shape[0])
+    # Fast path: the accepted nodes are exactly the first A tree nodes (e.g. a chain).
+    contiguous = bool((accepted == torch.arange(num_accepted, device=accepted.device)).all())
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise TypeError(
+                f"selfspec needs a plain DynamicCache; layer type {type(layer).__name__} "
+                "(sliding window / linear attention) is not supported yet"
+            )
+        tree_len = layer.keys.shape[-2] - committed_len
+        if not contiguous:
+            source = accepted + committed_len  # [A]
+            keep = slice(committed_len, committed_len + num_accepted)
+            layer.keys[..., keep, :] = layer.keys.index_select(-2, source)
+            layer.values[..., keep, :] = layer.values.index_select(-2, source)
+        layer.crop(num_accepted - tree_len)  # negative: tokens to remove from the end

