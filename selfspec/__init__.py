@@ -13,11 +13,24 @@ from selfspec.generation import (
     SpeculativeGenerator,
     StepOutput,
 )
-from selfspec.heads import HeadKind, HeadsConfig, build_heads, heads_config_for, load_heads, save_heads
+from selfspec.heads import (
+    HeadKind,
+    HeadsConfig,
+    build_heads,
+    heads_config_for,
+    load_heads,
+    save_heads,
+)
 from selfspec.sampling import SamplingParams
 from selfspec.stats import GenerationStats
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
-from selfspec.tree import DEFAULT_STATIC_TREE, DraftSampling, DynamicTree, StaticTree, parse_tree_spec
+from selfspec.tree import (
+    DEFAULT_STATIC_TREE,
+    DraftSampling,
+    DynamicTree,
+    StaticTree,
+    parse_tree_spec,
+)
 
 __version__ = "0.1.0"
 

@@ -12,13 +12,22 @@ from collections.abc import Sequence
 # command -> (module, function, extra that provides it, one-line description)
 COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
     "generate": ("selfspec.cli_generate", "main", None, "generate text with speculative decoding"),
-    "distill": ("selfspec.train.cli", "distill_main", "train", "self-distil responses from the target"),
+    "distill": (
+        "selfspec.train.cli",
+        "distill_main",
+        "train",
+        "self-distil responses from the target",
+    ),
     "train": ("selfspec.train.cli", "train_main", "train", "train draft heads with Lightning"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: selfspec COMMAND [options]   (selfspec COMMAND --help for its options)", "", "commands:"]
+    lines = [
+        "usage: selfspec COMMAND [options]   (selfspec COMMAND --help for its options)",
+        "",
+        "commands:",
+    ]
     lines += [f"  {name:<10} {spec[3]}" for name, spec in COMMANDS.items()]
     return "\n".join(lines)
 

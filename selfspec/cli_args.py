@@ -34,13 +34,23 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     for field in dataclasses.fields(cls):
         annotation = _unwrap_optional(hints[field.name])
         help_text = field.metadata.get("help", "")
-        required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        default = None if required else (
-            field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        required = (
+            field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+        )
+        default = (
+            None
+            if required
+            else (
+                field.default
+                if field.default is not dataclasses.MISSING
+                else field.default_factory()
+            )
         )
         kwargs: dict[str, Any] = {"dest": field.name, "help": help_text}
         if annotation is bool:
-            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction, default=default, **kwargs)
+            parser.add_argument(
+                _flag(field.name), action=argparse.BooleanOptionalAction, default=default, **kwargs
+            )
             continue
         if typing.get_origin(annotation) is tuple:
             kwargs.update(nargs="*", default=default, type=typing.get_args(annotation)[0])

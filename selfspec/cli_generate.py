@@ -19,13 +19,18 @@ PROG = "selfspec generate"
 class GenerateArgs:
     prompt: str = field(metadata={"help": "the user prompt"})
     model: str | None = field(
-        default=None, metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"}
+        default=None,
+        metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"},
     )
     heads: str = field(
         default="eagle",
-        metadata={"help": "heads dir, or 'eagle' / 'medusa' for the heads shipped for the default model"},
+        metadata={
+            "help": "heads dir, or 'eagle' / 'medusa' for the heads shipped for the default model"
+        },
     )
-    chat: bool = field(default=True, metadata={"help": "wrap the prompt in the model's chat template"})
+    chat: bool = field(
+        default=True, metadata={"help": "wrap the prompt in the model's chat template"}
+    )
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens to generate"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     top_k: int = field(default=0, metadata={"help": "sample among the k likeliest; 0 = all"})
@@ -42,7 +47,9 @@ class GenerateArgs:
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
     dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
-    json: bool = field(default=False, metadata={"help": "print text, token ids and stats as one JSON object"})
+    json: bool = field(
+        default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
@@ -52,7 +59,9 @@ class GenerateArgs:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
 
-def resolve_heads(args: GenerateArgs, target_model: object, is_default_target: bool) -> object | None:
+def resolve_heads(
+    args: GenerateArgs, target_model: object, is_default_target: bool
+) -> object | None:
     """The heads module to speculate with, or None for --no-speculation."""
     from selfspec.heads import load_heads
     from selfspec.shipped import shipped_heads_dir
@@ -80,10 +89,16 @@ def main(argv: Sequence[str]) -> int:
         target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
         heads = resolve_heads(args, target.model, args.model in (None, "default"))
         tokenizer = target.tokenizer
-        prompt_ids = apply_chat_template(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
+        prompt_ids = (
+            apply_chat_template(tokenizer, args.prompt)
+            if args.chat
+            else tokenizer.encode(args.prompt)
+        )
         config = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
-            sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+            sampling=SamplingParams(
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+            ),
             seed=args.seed,
             stop_strings=args.stop,
             speculate=args.speculation,
@@ -92,7 +107,13 @@ def main(argv: Sequence[str]) -> int:
         )
         generator = SpeculativeGenerator(target.model, heads, tokenizer)
         stream = generator.stream(prompt_ids, config)
-    except (TargetLoadError, HeadsCheckpointError, FingerprintMismatch, FileNotFoundError, ValueError) as error:
+    except (
+        TargetLoadError,
+        HeadsCheckpointError,
+        FingerprintMismatch,
+        FileNotFoundError,
+        ValueError,
+    ) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     for step in stream:

@@ -6,8 +6,9 @@ go through the very code that speculates.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from selfspec.drafting import DraftPlan, Drafter, make_drafter
+from selfspec.drafting import Drafter, DraftPlan, make_drafter
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
@@ -24,6 +25,9 @@ from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
 from selfspec.verify import verify_greedy, verify_sampling
+
+StepScope = Callable[[], contextlib.AbstractContextManager]
+"""Makes a context entered around every step of one request (e.g. activating its adapter)."""
 
 
 @dataclass(frozen=True)
@@ -102,23 +106,34 @@ class SpeculativeGenerator:
     Holds references only; every request gets its own RequestState.
     """
 
-    def __init__(self, model: PreTrainedModel, heads: nn.Module | None = None, tokenizer: Any = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, heads: nn.Module | None = None, tokenizer: Any = None
+    ) -> None:
         self.target = TargetForward(model)
         self.heads = heads
-        self.drafter: Drafter | None = make_drafter(heads, self.target) if heads is not None else None
+        self.drafter: Drafter | None = (
+            make_drafter(heads, self.target) if heads is not None else None
+        )
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
         self.default_stop_ids = _eos_ids(model, tokenizer)
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationResult:
-        stream = self.stream(prompt_ids, config)
+    def generate(
+        self, prompt_ids: Sequence[int], config: GenerationConfig, scope: StepScope | None = None
+    ) -> GenerationResult:
+        stream = self.stream(prompt_ids, config, scope)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig) -> GenerationStream:
+    def stream(
+        self, prompt_ids: Sequence[int], config: GenerationConfig, scope: StepScope | None = None
+    ) -> GenerationStream:
+        """Start a request. ``scope`` is entered around each of its steps (prefill included):
+        the adapters wing uses it to make the request's adapter the active one, so requests on
+        different adapters can be interleaved step by step."""
         self._validate(prompt_ids, config)
-        return GenerationStream(self, list(prompt_ids), config)
+        return GenerationStream(self, list(prompt_ids), config, scope or contextlib.nullcontext)
 
     def _validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         if len(prompt_ids) == 0:
@@ -132,13 +147,20 @@ class SpeculativeGenerator:
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         depth = self.tree_for(config).depth if config.speculate else 0
-        if config.speculate and isinstance(self.heads, MedusaHeads) and depth > self.heads.config.num_heads:
-            raise ValueError(f"tree depth {depth} exceeds the {self.heads.config.num_heads} Medusa heads")
+        if (
+            config.speculate
+            and isinstance(self.heads, MedusaHeads)
+            and depth > self.heads.config.num_heads
+        ):
+            raise ValueError(
+                f"tree depth {depth} exceeds the {self.heads.config.num_heads} Medusa heads"
+            )
         needed = len(prompt_ids) + config.max_new_tokens + depth
         if self.context_limit is not None and needed > self.context_limit:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) "
-                f"+ tree depth ({depth}) = {needed} exceeds the model's context of {self.context_limit}"
+                f"+ tree depth ({depth}) = {needed} exceeds the model's context of "
+                f"{self.context_limit}"
             )
 
     def tree_for(self, config: GenerationConfig) -> TreeSpec:
@@ -160,7 +182,9 @@ class SpeculativeGenerator:
         features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
         logits = self.target.logits(features[-1])  # [vocab]
         first = _choose(logits, config.sampling, generator)
-        state = RequestState(cache=cache, generator=generator, committed_len=prompt.shape[0], root_token=first)
+        state = RequestState(
+            cache=cache, generator=generator, committed_len=prompt.shape[0], root_token=first
+        )
         if config.speculate:
             state.draft_state = self.drafter.start(features, prompt, first)
         return state
@@ -168,7 +192,9 @@ class SpeculativeGenerator:
     def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
         """Draft, verify in one target forward, commit. Returns the newly committed tokens."""
         if config.speculate:
-            plan = DraftPlan(tree=self.tree_for(config), sampling=config.draft_sampling, params=config.sampling)
+            plan = DraftPlan(
+                tree=self.tree_for(config), sampling=config.draft_sampling, params=config.sampling
+            )
             tree = self.drafter.draft(state.draft_state, state.root_token, plan, state.generator)
         else:
             tree = _root_only(state.root_token, self.target.device)
@@ -185,10 +211,16 @@ class SpeculativeGenerator:
         state.committed_len += int(verdict.accepted.shape[0])
         accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
         if config.speculate:
-            self.drafter.advance(state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus)
+            self.drafter.advance(
+                state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
+            )
         state.root_token = verdict.bonus
         state.stats.steps.append(
-            StepRecord(accepted=verdict.num_drafted_accepted, tree_size=tree.size, tree_depth=int(tree.depths.max()))
+            StepRecord(
+                accepted=verdict.num_drafted_accepted,
+                tree_size=tree.size,
+                tree_depth=int(tree.depths.max()),
+            )
         )
         return [*accepted_tokens[1:].tolist(), verdict.bonus]
 
@@ -196,8 +228,15 @@ class SpeculativeGenerator:
 class GenerationStream:
     """Iterate to get StepOutputs as they are committed; ``result`` once exhausted."""
 
-    def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], config: GenerationConfig) -> None:
+    def __init__(
+        self,
+        generator: SpeculativeGenerator,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        scope: StepScope,
+    ) -> None:
         self._owner = generator
+        self._scope = scope
         self._prompt_ids = prompt_ids
         self._config = config
         self._state: RequestState | None = None
@@ -211,26 +250,35 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[StepOutput]:
         owner, config = self._owner, self._config
-        stop_ids = set(config.stop_token_ids if config.stop_token_ids is not None else owner.default_stop_ids)
-        with torch.inference_mode():
-            started = time.perf_counter()
-            prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=owner.target.device)
+        stop_ids = set(
+            config.stop_token_ids if config.stop_token_ids is not None else owner.default_stop_ids
+        )
+        started = time.perf_counter()
+        prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=owner.target.device)
+        # Grad mode and the scope are entered per step, never held across a yield: the consumer
+        # (a server interleaving requests, a training loop) runs in its own modes between steps.
+        with torch.inference_mode(), self._scope():
             state = owner.prefill(prompt, config)
-            self._state = state
-            state.stats.prompt_tokens = len(self._prompt_ids)
-            state.stats.prefill_seconds = time.perf_counter() - started
-            output = self._commit(state, [state.root_token], stop_ids)
+        self._state = state
+        state.stats.prompt_tokens = len(self._prompt_ids)
+        state.stats.prefill_seconds = time.perf_counter() - started
+        output = self._commit(state, [state.root_token], stop_ids)
+        if output.token_ids:
+            yield output
+        decode_started = time.perf_counter()
+        while state.finish_reason is None:
+            with torch.inference_mode(), self._scope():
+                committed = owner.step(state, config)
+            output = self._commit(state, committed, stop_ids)
+            state.stats.decode_seconds = time.perf_counter() - decode_started
             if output.token_ids:
                 yield output
-            decode_started = time.perf_counter()
-            while state.finish_reason is None:
-                output = self._commit(state, owner.step(state, config), stop_ids)
-                state.stats.decode_seconds = time.perf_counter() - decode_started
-                if output.token_ids:
-                    yield output
         state.stats.new_tokens = len(state.token_ids)
         self._result = GenerationResult(
-            token_ids=state.token_ids, text=state.text, finish_reason=state.finish_reason, stats=state.stats
+            token_ids=state.token_ids,
+            text=state.text,
+            finish_reason=state.finish_reason,
+            stats=state.stats,
         )
 
     def _commit(self, state: RequestState, tokens: list[int], stop_ids: set[int]) -> StepOutput:
@@ -256,7 +304,9 @@ class GenerationStream:
             elif state.finish_reason is None and text.endswith("\ufffd"):
                 text = previous_text  # hold back an incomplete multi-byte character
             state.text = text
-        delta = state.text[len(previous_text):] if state.text.startswith(previous_text) else state.text
+        delta = (
+            state.text[len(previous_text) :] if state.text.startswith(previous_text) else state.text
+        )
         return StepOutput(token_ids=kept, text=delta)
 
 
@@ -302,7 +352,10 @@ def _context_limit(model: PreTrainedModel) -> int | None:
 
 def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
     ids: set[int] = set()
-    sources = [getattr(tokenizer, "eos_token_id", None), getattr(model.config, "eos_token_id", None)]
+    sources = [
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+    ]
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         sources.append(generation_config.eos_token_id)

@@ -69,7 +69,9 @@ class GenerationStats:
             "tau": round(self.tau, 4),
             "acceptance_by_depth": [round(r, 4) for r in self.acceptance_by_depth()],
             "accepted_lengths": self.accepted_lengths,
-            "mean_tree_size": round(sum(s.tree_size for s in self.steps) / max(len(self.steps), 1), 2),
+            "mean_tree_size": round(
+                sum(s.tree_size for s in self.steps) / max(len(self.steps), 1), 2
+            ),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),

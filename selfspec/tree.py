@@ -39,7 +39,9 @@ class StaticTree:
             raise ValueError("a static tree needs at least one path")
         for path in self.paths:
             if not path or any((not isinstance(r, int)) or r < 0 for r in path):
-                raise ValueError(f"static tree path {path!r} must be a non-empty tuple of ranks >= 0")
+                raise ValueError(
+                    f"static tree path {path!r} must be a non-empty tuple of ranks >= 0"
+                )
         object.__setattr__(self, "paths", tuple(tuple(p) for p in self.paths))
 
     @property
@@ -87,9 +89,23 @@ TreeSpec = StaticTree | DynamicTree
 # root, where acceptance is likeliest, narrow below.
 DEFAULT_STATIC_TREE = StaticTree(
     paths=(
-        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
-        (0, 0, 2), (0, 1, 1), (0, 2, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0),
-        (0, 3), (1, 2), (2, 1), (3, 0), (4,), (5,),
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 1, 0),
+        (0, 1, 0, 0),
+        (1, 0, 0, 0),
+        (0, 0, 2),
+        (0, 1, 1),
+        (0, 2, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (2, 0, 0),
+        (0, 3),
+        (1, 2),
+        (2, 1),
+        (3, 0),
+        (4,),
+        (5,),
     )
 )
 
@@ -181,7 +197,9 @@ def parse_tree_spec(text: str) -> TreeSpec | None:
             paths = json.loads(path.read_text())
             return StaticTree(paths=tuple(tuple(int(r) for r in p) for p in paths))
         except (json.JSONDecodeError, TypeError, ValueError) as error:
-            raise ValueError(f"tree file {path} must hold a JSON list of rank paths: {error}") from error
+            raise ValueError(
+                f"tree file {path} must hold a JSON list of rank paths: {error}"
+            ) from error
     raise ValueError(
         f"invalid tree {text!r}: expected auto, static, chain:D, dynamic[:TOP_K,DEPTH,BUDGET] "
         "or a .json file of rank paths"

@@ -100,9 +100,7 @@ def _without_replacement_proposal(tree: Tree, row: int, rank: int) -> torch.Tens
     return proposal / proposal.sum()
 
 
-def _residual(
-    residual: torch.Tensor, token: int, proposal: torch.Tensor | None
-) -> torch.Tensor:
+def _residual(residual: torch.Tensor, token: int, proposal: torch.Tensor | None) -> torch.Tensor:
     """norm(max(p - q, 0)) after a rejected proposal. # [vocab]"""
     if proposal is None:  # point mass on `token`
         updated = residual.clone()

@@ -20,7 +20,9 @@ class Drafter(Protocol):
         first_token: int,  # the token the target produced after the prompt
     ) -> Any: ...
 
-    def draft(self, state: Any, root_token: int, plan: DraftPlan, generator: torch.Generator | None) -> Tree: ...
+    def draft(
+        self, state: Any, root_token: int, plan: DraftPlan, generator: torch.Generator | None
+    ) -> Tree: ...
 
     def advance(
         self,

@@ -28,14 +28,20 @@ class EagleDrafter:
         self.head = head
         self.target = target
 
-    def start(self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int) -> EagleState:
+    def start(
+        self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int
+    ) -> EagleState:
         state = EagleState(root_feature=prompt_features[-1])
         first = torch.tensor([first_token], device=prompt_tokens.device)
         self._append(state, prompt_features, torch.cat([prompt_tokens[1:], first]))
         return state
 
     def advance(
-        self, state: EagleState, accepted_features: torch.Tensor, accepted_tokens: torch.Tensor, bonus: int
+        self,
+        state: EagleState,
+        accepted_features: torch.Tensor,
+        accepted_tokens: torch.Tensor,
+        bonus: int,
     ) -> None:
         bonus_token = torch.tensor([bonus], device=accepted_tokens.device)
         self._append(state, accepted_features, torch.cat([accepted_tokens[1:], bonus_token]))
@@ -65,7 +71,11 @@ class EagleDrafter:
             positions = torch.tensor([committed + tree.depths[n] for n in frontier], device=device)
             attend = self._tree_attend(tree, frontier, committed, slot_nodes, device)
             out = self.head(
-                self.target.embed(tokens)[None], parent_features[None], positions[None], attend, state.cache
+                self.target.embed(tokens)[None],
+                parent_features[None],
+                positions[None],
+                attend,
+                state.cache,
             )[0]  # [F, H]
             for i, node in enumerate(frontier):
                 predicted[node] = out[i]
@@ -79,7 +89,11 @@ class EagleDrafter:
 
     @staticmethod
     def _tree_attend(
-        tree: GrowingTree, frontier: list[int], committed: int, slot_nodes: list[int], device: torch.device
+        tree: GrowingTree,
+        frontier: list[int],
+        committed: int,
+        slot_nodes: list[int],
+        device: torch.device,
     ) -> torch.Tensor:
         """Each frontier node sees the committed cache, its drafted ancestors and itself.
         # [1, 1, F, committed + drafted + F] bool"""

@@ -95,7 +95,11 @@ def _expand_frontier(
 
 
 def grow_dynamic(
-    root_token: int, expand: ExpandFn, spec: DynamicTree, plan: DraftPlan, generator: torch.Generator | None
+    root_token: int,
+    expand: ExpandFn,
+    spec: DynamicTree,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
 ) -> Tree:
     tree = GrowingTree(tokens=[root_token])
     frontier = [0]
@@ -119,7 +123,11 @@ def grow_dynamic(
 
 
 def grow_static(
-    root_token: int, expand: ExpandFn, spec: StaticTree, plan: DraftPlan, generator: torch.Generator | None
+    root_token: int,
+    expand: ExpandFn,
+    spec: StaticTree,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
 ) -> Tree:
     tree = GrowingTree(tokens=[root_token])
     node_of: dict[tuple[int, ...], int] = {(): 0}
@@ -136,7 +144,9 @@ def grow_static(
         for prefix in layer:  # sorted by (parent prefix, rank): siblings in draw order
             row, rank = row_of[prefix[:-1]], prefix[-1]
             if tokens[row][rank] >= 0:
-                node_of[prefix] = tree.add(node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank])
+                node_of[prefix] = tree.add(
+                    node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
+                )
     return _finish(tree, list(range(tree.size)), plan)
 
 
@@ -159,7 +169,11 @@ def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan) -> Tree:
         draws[i, : row.shape[0]] = row
     sampled = plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy
     # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
-    probs = torch.stack(tree.prob_rows) if (sampled and tree.prob_rows) else torch.zeros(0, vocab, device=device)
+    probs = (
+        torch.stack(tree.prob_rows)
+        if (sampled and tree.prob_rows)
+        else torch.zeros(0, vocab, device=device)
+    )
 
     def column(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)

@@ -22,11 +22,17 @@ class MedusaDrafter:
         self.heads = heads
         self.target = target
 
-    def start(self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int) -> MedusaState:
+    def start(
+        self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int
+    ) -> MedusaState:
         return MedusaState(feature=prompt_features[-1])
 
     def draft(
-        self, state: MedusaState, root_token: int, plan: DraftPlan, generator: torch.Generator | None
+        self,
+        state: MedusaState,
+        root_token: int,
+        plan: DraftPlan,
+        generator: torch.Generator | None,
     ) -> Tree:
         num_heads = self.heads.config.num_heads
         depth = plan.tree.depth
@@ -43,6 +49,10 @@ class MedusaDrafter:
         return grow_tree(root_token, expand, plan, generator)
 
     def advance(
-        self, state: MedusaState, accepted_features: torch.Tensor, accepted_tokens: torch.Tensor, bonus: int
+        self,
+        state: MedusaState,
+        accepted_features: torch.Tensor,
+        accepted_tokens: torch.Tensor,
+        bonus: int,
     ) -> None:
         state.feature = accepted_features[-1]

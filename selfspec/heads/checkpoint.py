@@ -52,7 +52,10 @@ def save_heads(
     }
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        state = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in heads.state_dict().items()}
+        state = {
+            name: t.detach().to("cpu", torch.float32).contiguous()
+            for name, t in heads.state_dict().items()
+        }
         save_file(state, str(staging / WEIGHTS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         _replace_dir(staging, path)
@@ -72,7 +75,9 @@ def _replace_dir(staging: Path, path: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def read_heads_config(path: str | os.PathLike[str]) -> tuple[HeadsConfig, BaseFingerprint, dict[str, Any]]:
+def read_heads_config(
+    path: str | os.PathLike[str],
+) -> tuple[HeadsConfig, BaseFingerprint, dict[str, Any]]:
     """Parse and validate config.json without touching the weights."""
     path = Path(path)
     config_path = path / CONFIG_FILE
@@ -85,14 +90,20 @@ def read_heads_config(path: str | os.PathLike[str]) -> tuple[HeadsConfig, BaseFi
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HeadsCheckpointError(f"{config_path} is not valid JSON: {error}") from error
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise HeadsCheckpointError(f"{config_path} is not a selfspec heads config (format != {FORMAT!r})")
+        raise HeadsCheckpointError(
+            f"{config_path} is not a selfspec heads config (format != {FORMAT!r})"
+        )
     if data.get("version") != VERSION:
-        raise HeadsCheckpointError(f"{config_path} has version {data.get('version')}, expected {VERSION}")
+        raise HeadsCheckpointError(
+            f"{config_path} has version {data.get('version')}, expected {VERSION}"
+        )
     try:
         heads_config = HeadsConfig.from_dict(data["heads"])
         base = BaseFingerprint.from_dict(data["base"])
     except (KeyError, TypeError, ValueError) as error:
-        raise HeadsCheckpointError(f"{config_path} has an invalid heads/base section: {error}") from error
+        raise HeadsCheckpointError(
+            f"{config_path} has an invalid heads/base section: {error}"
+        ) from error
     return heads_config, base, dict(data.get("extra") or {})
 
 
@@ -115,7 +126,9 @@ def load_heads(
     try:
         state = load_file(str(weights_path))
     except (SafetensorError, OSError) as error:
-        raise HeadsCheckpointError(f"{weights_path} is not a readable safetensors file: {error}") from error
+        raise HeadsCheckpointError(
+            f"{weights_path} is not a readable safetensors file: {error}"
+        ) from error
     heads = build_heads(heads_config)
     expected = {name: tuple(t.shape) for name, t in heads.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in state.items()}
@@ -124,8 +137,8 @@ def load_heads(
         unexpected = sorted(set(found) - set(expected))
         wrong = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
         raise HeadsCheckpointError(
-            f"{weights_path} does not match its config: missing {missing}, unexpected {unexpected}, "
-            f"wrong shape {wrong}"
+            f"{weights_path} does not match its config: missing {missing}, "
+            f"unexpected {unexpected}, wrong shape {wrong}"
         )
     heads.load_state_dict(state)
     if target is not None:

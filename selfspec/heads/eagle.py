@@ -29,7 +29,9 @@ class EagleCache:
     def length(self) -> int:
         return 0 if not self.keys else int(self.keys[0].shape[-2])
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer == len(self.keys):
             self.keys.append(k)
             self.values.append(v)
@@ -43,7 +45,9 @@ class EagleCache:
         self.values = [v[..., :length, :] for v in self.values]
 
 
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin for the given positions. positions: # [B, S] -> each # [B, 1, S, head_dim]"""
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
@@ -86,7 +90,9 @@ class EagleDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).split(hidden, dim=-1)
-        q, k, v = (t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
+        )
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, heads, S, head_dim]
         if cache is not None:
             k, v = cache.append(layer_index, k, v)  # [B, heads, P + S, head_dim]

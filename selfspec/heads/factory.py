@@ -12,7 +12,9 @@ from selfspec.heads.medusa import MedusaHeads
 DraftHeads = MedusaHeads | EagleHead
 
 
-def heads_config_for(model: PreTrainedModel, kind: HeadKind | str, **overrides: object) -> HeadsConfig:
+def heads_config_for(
+    model: PreTrainedModel, kind: HeadKind | str, **overrides: object
+) -> HeadsConfig:
     """A HeadsConfig whose sizes match the target; other fields from ``overrides``."""
     embed = model.get_input_embeddings().weight  # [vocab, H]
     hidden = int(embed.shape[1])
