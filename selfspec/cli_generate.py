@@ -50,6 +50,16 @@ class GenerateArgs:
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
     )
+    adapter: str | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA adapter: a directory, or a name under --adapters-root "
+            "(default: the shipped examples); omit for the base model"
+        },
+    )
+    adapters_root: str | None = field(
+        default=None, metadata={"help": "directory of adapter directories that --adapter names"}
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
@@ -105,8 +115,17 @@ def main(argv: Sequence[str]) -> int:
             tree=parse_tree_spec(args.tree),
             draft_sampling=args.draft_sampling,
         )
+        scope = None
+        if args.adapter is not None:
+            # Lazy: the adapters wing (and peft) is imported only when an adapter is asked for.
+            # Its errors are ValueErrors, reported below like any other bad input.
+            from selfspec.adapters.select import select_adapter
+
+            _, _, scope = select_adapter(
+                target.model, args.adapter, args.adapters_root, args.model in (None, "default")
+            )
         generator = SpeculativeGenerator(target.model, heads, tokenizer)
-        stream = generator.stream(prompt_ids, config)
+        stream = generator.stream(prompt_ids, config, scope)
     except (
         TargetLoadError,
         HeadsCheckpointError,
@@ -121,7 +140,7 @@ def main(argv: Sequence[str]) -> int:
             print(step.text, end="", flush=True)
     result = stream.result
     if args.json:
-        print(json.dumps({"model": target.name, **result.to_dict()}))
+        print(json.dumps({"model": target.name, "adapter": args.adapter, **result.to_dict()}))
         return 0
     stats = result.stats
     depth_rates = " ".join(f"{r:.2f}" for r in stats.acceptance_by_depth())

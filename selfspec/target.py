@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _KEY_CHUNK = 1 << 20  # bytes read from each end of a GGUF file for its cache key
+_STALE_AFTER_S = 3600.0  # age after which a leftover temporary conversion is removed
 
 
 class TargetLoadError(ValueError):
@@ -163,6 +165,10 @@ def converted_gguf_dir(gguf: Path) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*"):
+        # Left by a killed conversion; a live one would be younger than this.
+        if time.time() - stale.stat().st_mtime > _STALE_AFTER_S:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         _convert_gguf(gguf, tmp)

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("peft", "lightning", "pytorch_lightning", "fastapi", "uvicorn", "datasets")
 SUBPACKAGES = ("selfspec", "selfspec.train", "selfspec.adapters", "selfspec.serve")
+DATA_PATTERNS = ("*.json", "*.jsonl", "*.yaml", "*.safetensors")  # as in pyproject.toml
 
 
 def _python(code: str, cwd: Path, env: dict[str, str] | None = None) -> str:
@@ -27,6 +28,16 @@ def _python(code: str, cwd: Path, env: dict[str, str] | None = None) -> str:
 def test_core_imports_no_wing_dependency() -> None:
     code = f"import selfspec, sys; print([m for m in {HEAVY!r} if m in sys.modules])"
     assert _python(code, ROOT).strip() == "[]"
+
+
+def _source_files(patterns: tuple[str, ...]) -> set[Path]:
+    """Source files matching `patterns`, as paths relative to the installed `selfspec/` folder."""
+    found: set[Path] = set()
+    for top in ("selfspec", "train", "adapters", "serve"):
+        for pattern in patterns:
+            found |= {p.relative_to(ROOT) for p in (ROOT / top).glob(f"**/{pattern}")}
+    # The core's files sit at the top of selfspec/; each wing becomes selfspec/<wing>/.
+    return {p.relative_to("selfspec") if p.parts[0] == "selfspec" else p for p in found}
 
 
 @pytest.mark.slow
@@ -45,6 +56,13 @@ def test_wheel_installs_every_subpackage(tmp_path: Path) -> None:
     )
     (wheel,) = wheels.glob("selfspec-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    for patterns in (("__init__.py",), DATA_PATTERNS):  # every package, every shipped data file
+        installed = {
+            p.relative_to(site / "selfspec")
+            for pattern in patterns
+            for p in site.glob(f"selfspec/**/{pattern}")
+        }
+        assert installed == _source_files(patterns)
 
     code = (
         "import importlib, json; "

@@ -1,0 +1,398 @@
+"""The adapter store: known adapters, a bounded resident set, and per-request activation.
+
+One base model, many LoRA adapters. Adapters are *known* (validated from their config and
+safetensors header, see `validate.py`) when registered, and *resident* (weights injected into the
+base with peft) when loaded: on demand, or explicitly. The resident set is bounded in count and in
+bytes; the least recently used unpinned adapter is evicted to make room.
+
+Activation is per step: `store.scope(name)` gives the zero-argument context factory that
+`SpeculativeGenerator.stream(..., scope=...)` enters around every step of a request, so requests on
+different adapters can be interleaved step by step. Switching between resident adapters copies no
+weight (peft `set_adapter` only flips which LoRA branch each layer runs); `None` is the base model
+(peft's adapter layers disabled). Steps hold the store's lock, so threads never see each other's
+activation.
+
+LoRA layers are injected into the base model in place, so a `SpeculativeGenerator` built on the
+base model (before or after any load) runs the adapted modules: build it on `store.base_model`.
+
+Every operation either succeeds or raises an `AdapterError` and leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from selfspec.adapters.errors import (
+    AdapterError,
+    AdapterPathError,
+    CorruptAdapter,
+    InvalidAdapter,
+    StoreFull,
+    UnknownAdapter,
+)
+from selfspec.adapters.validate import (
+    AdapterInfo,
+    AdapterLimits,
+    BaseLayout,
+    check_name,
+    validate_adapter,
+)
+from transformers import PreTrainedModel
+
+from selfspec.fingerprint import fingerprint_of
+
+logger = logging.getLogger(__name__)
+
+StepScope = Callable[[], contextlib.AbstractContextManager]
+_UNSET = object()  # activation state unknown (after a load or unload): re-apply on next step
+BASE_ADAPTER_NAME = "__base__"
+"""peft's name for "no adapter" in a mixed-adapter batch (`adapter_names`)."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Bounds of the resident set and limits on what may be registered."""
+
+    max_resident: int = 8
+    """Most adapters resident at once."""
+    max_bytes: int = 1 << 30
+    """Most bytes of resident LoRA weights (in the base dtype). A load may exceed it by one
+    adapter while the new weights are injected, before the evicted ones are dropped."""
+    limits: AdapterLimits = field(default_factory=AdapterLimits)
+    """Rank and file-size limits every adapter is validated against."""
+
+    def __post_init__(self) -> None:
+        if self.max_resident < 1:
+            raise ValueError(f"max_resident must be >= 1, got {self.max_resident}")
+        if self.max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {self.max_bytes}")
+
+
+class AdapterStore:
+    """Known and resident LoRA adapters of one base model.
+
+    `root`: every valid subdirectory is registered under its directory name (invalid ones are
+    listed in `rejected` with the reason); with a root, every adapter path must lie inside it.
+    `adapters`: explicit name -> directory pairs.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        root: str | Path | None = None,
+        adapters: Mapping[str, str | Path] | None = None,
+        config: StoreConfig | None = None,
+    ) -> None:
+        if callable(getattr(model, "get_base_model", None)):
+            raise TypeError("AdapterStore takes the plain base model, not a peft-wrapped one")
+        self.base_model = model
+        self.config = config or StoreConfig()
+        self.root = Path(root).expanduser().resolve() if root is not None else None
+        if self.root is not None and not self.root.is_dir():
+            raise AdapterPathError(f"adapters root {str(root)!r} is not an existing directory")
+        self.layout = BaseLayout.of(model, fingerprint_of(model))
+        self.rejected: dict[str, str] = {}
+        """Subdirectories of the root that are not valid adapters -> why."""
+        self._known: dict[str, AdapterInfo] = {}
+        self._resident: OrderedDict[str, AdapterInfo] = OrderedDict()  # least recent first
+        # Our name -> peft's. peft names are "slot<N>": a user name may hold '.', which a torch
+        # ModuleDict key cannot, or be a substring of peft's "lora_" prefix, which breaks loading.
+        self._peft_names: dict[str, str] = {}
+        self._loads = 0
+        self._pins: Counter[str] = Counter()
+        self._peft: Any = None  # peft.PeftModel, created with the first load
+        self._active: object = None  # name, None (base) or _UNSET
+        self._lock = threading.RLock()
+        if self.root is not None:
+            self.scan()
+        for name, path in (adapters or {}).items():
+            self.register(name, path)
+
+    # -- what is known -----------------------------------------------------------------------
+
+    def scan(self) -> list[str]:
+        """Register every valid adapter directory under the root; returns the new names."""
+        if self.root is None:
+            raise AdapterPathError("this store has no adapters root to scan")
+        added = []
+        for child in sorted(self.root.iterdir()):
+            if child.name.startswith(".") or not child.is_dir() or child.name in self._known:
+                continue
+            try:
+                self.register(child.name, child)
+            except AdapterError as error:
+                self.rejected[child.name] = str(error)
+                logger.warning("skipping %s: %s", child, error)
+            else:
+                added.append(child.name)
+                self.rejected.pop(child.name, None)
+        return added
+
+    def register(self, name: str, path: str | Path) -> AdapterInfo:
+        """Validate the adapter at `path` and know it as `name`. Reads no weight."""
+        with self._lock:
+            check_name(name)
+            info = validate_adapter(name, path, self.layout, self.config.limits, self.root)
+            known = self._known.get(name)
+            if known is not None and known.path != info.path:
+                raise AdapterError(
+                    f"adapter name {name!r} is already registered for {known.path}; "
+                    f"not re-registering it for {info.path}"
+                )
+            self._known.setdefault(name, info)
+            return self._known[name]
+
+    def resolve(self, name_or_dir: str) -> str:
+        """A registered name as is; an adapter directory (under the root, if the store has one)
+        is registered under its directory name."""
+        with self._lock:
+            if name_or_dir in self._known:
+                return name_or_dir
+            given = Path(name_or_dir).expanduser()
+            candidates = [given]
+            if self.root is not None and not given.is_absolute():
+                candidates.insert(0, self.root / given)
+            for candidate in candidates:
+                if candidate.is_dir():
+                    name = Path(os.path.abspath(candidate)).name
+                    return self.register(name, candidate).name
+            raise UnknownAdapter(
+                f"unknown adapter {name_or_dir!r}: not a registered name and not an adapter "
+                f"directory; known adapters: {', '.join(self.names()) or '(none)'}"
+            )
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._known))
+
+    def info(self, name: str) -> AdapterInfo:
+        return self._get(name)
+
+    # -- what is resident --------------------------------------------------------------------
+
+    def resident(self) -> tuple[str, ...]:
+        """Resident adapters, least recently used first."""
+        with self._lock:
+            return tuple(self._resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(info.nbytes for info in self._resident.values())
+
+    def load(self, name: str) -> AdapterInfo:
+        """Make `name` resident (evicting least recently used adapters if needed) and most
+        recently used. A resident adapter is only marked used."""
+        with self._lock:
+            info = self._get(name)
+            if name in self._resident:
+                self._resident.move_to_end(name)
+                return info
+            fresh = validate_adapter(name, info.path, self.layout, self.config.limits, self.root)
+            victims = self._victims_for(fresh)
+            # Outside inference mode even when loaded on demand inside a generation step: inference
+            # tensors would break peft's later requires_grad bookkeeping.
+            with torch.inference_mode(False):
+                state = _read_weights(fresh, self.base_model.get_input_embeddings().weight.dtype)
+            self._loads += 1
+            peft_name = f"slot{self._loads}"
+            self._inject(fresh, peft_name, state)
+            self._peft_names[name] = peft_name
+            for victim in victims:
+                self._evict(victim)
+            self._known[name] = fresh
+            self._resident[name] = fresh
+            self._active = _UNSET
+            return fresh
+
+    def unload(self, name: str) -> bool:
+        """Drop `name`'s weights; False if it was not resident. A pinned adapter is refused."""
+        with self._lock:
+            self._get(name)
+            if name not in self._resident:
+                return False
+            if self._pins[name]:
+                raise AdapterError(f"adapter {name!r} is pinned by a running request; not unloaded")
+            self._evict(name)
+            return True
+
+    @contextlib.contextmanager
+    def pinned(self, name: str | None) -> Iterator[None]:
+        """Keep `name` resident (never evicted) for the duration, e.g. of one request."""
+        if name is None:
+            yield
+            return
+        with self._lock:
+            self.load(name)
+            self._pins[name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins[name] -= 1
+                if not self._pins[name]:
+                    del self._pins[name]
+
+    # -- activation --------------------------------------------------------------------------
+
+    def scope(self, name: str | None) -> StepScope:
+        """Context factory for `SpeculativeGenerator.stream(..., scope=...)`: each step runs with
+        `name` active (None: the base model), loading it again if it was evicted meanwhile.
+
+        An unknown name fails here, before the request starts (never a fallback to the base)."""
+        if name is not None:
+            self._get(name)
+
+        @contextlib.contextmanager
+        def step() -> Iterator[None]:
+            with self._lock:
+                if name is not None:
+                    self.load(name)
+                self._activate(name)
+                yield
+
+        return step
+
+    @contextlib.contextmanager
+    def batch_scope(self, names: Sequence[str | None]) -> Iterator[list[str]]:
+        """Mixed-adapter batch: row i of a forward run inside uses adapter `names[i]` (None: the
+        base). Yields peft's `adapter_names` list. All named adapters are resident and pinned for
+        the duration. Uses peft's forward hooks (`adapter_names`), so it works for any forward of
+        the base model's modules, including the decoder body the generator runs."""
+        distinct = sorted({n for n in names if n is not None})
+        with contextlib.ExitStack() as stack:
+            for name in distinct:
+                stack.enter_context(self.pinned(name))
+            stack.enter_context(self._lock)
+            peft_names = [BASE_ADAPTER_NAME if n is None else self._peft_names[n] for n in names]
+            if not distinct:
+                self._activate(None)
+                yield peft_names
+                return
+            self._activate(distinct[0])  # peft runs the hooks only while an adapter is enabled
+            stack.enter_context(self._peft._enable_peft_forward_hooks(adapter_names=peft_names))
+            yield peft_names
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _get(self, name: str) -> AdapterInfo:
+        info = self._known.get(name) if isinstance(name, str) else None
+        if info is None:
+            raise UnknownAdapter(
+                f"unknown adapter {name!r}; known adapters: {', '.join(self.names()) or '(none)'}"
+            )
+        return info
+
+    def _victims_for(self, info: AdapterInfo) -> list[str]:
+        """Least recently used unpinned adapters to evict so that `info` fits the bounds."""
+        if info.nbytes > self.config.max_bytes:
+            raise StoreFull(
+                f"adapter {info.name!r} needs {info.nbytes} bytes, more than the store's "
+                f"max_bytes={self.config.max_bytes}"
+            )
+        count, used = len(self._resident) + 1, self.resident_bytes + info.nbytes
+        victims = []
+        for name, resident in self._resident.items():
+            if count <= self.config.max_resident and used <= self.config.max_bytes:
+                break
+            if self._pins[name]:
+                continue
+            victims.append(name)
+            count, used = count - 1, used - resident.nbytes
+        if count > self.config.max_resident or used > self.config.max_bytes:
+            raise StoreFull(
+                f"cannot load adapter {info.name!r}: the resident set is full of pinned adapters "
+                f"({', '.join(self._resident)}); max_resident={self.config.max_resident}, "
+                f"max_bytes={self.config.max_bytes}"
+            )
+        return victims
+
+    def _inject(self, info: AdapterInfo, peft_name: str, state: dict[str, torch.Tensor]) -> None:
+        """Add `info`'s LoRA branch to the base and set its weights; undone on any failure."""
+        from peft import LoraConfig, PeftModel
+        from peft.utils import set_peft_model_state_dict
+
+        # inference_mode freezes the branch; dropout is an identity at inference anyway.
+        config = LoraConfig(**{**info.config, "inference_mode": True, "lora_dropout": 0.0})
+        created = False
+        with torch.inference_mode(False), torch.no_grad():
+            try:
+                if self._peft is None:
+                    self._peft = PeftModel(
+                        self.base_model, config, adapter_name=peft_name,
+                        autocast_adapter_dtype=False, low_cpu_mem_usage=True,
+                    )
+                else:
+                    self._peft.add_adapter(
+                        peft_name, config, low_cpu_mem_usage=True, autocast_adapter_dtype=False
+                    )
+                created = True
+                set_peft_model_state_dict(
+                    self._peft, state, adapter_name=peft_name, low_cpu_mem_usage=True
+                )
+                _check_injected(self._peft, peft_name, len(info.modules))
+                self._peft.eval()
+            except (RuntimeError, ValueError, KeyError, TypeError) as error:
+                if created:
+                    self._peft.delete_adapter(peft_name)
+                self._active = _UNSET
+                raise InvalidAdapter(
+                    f"adapter {info.name!r} ({info.path}) could not be injected: {error}"
+                ) from error
+
+    def _evict(self, name: str) -> None:
+        with warnings.catch_warnings():
+            # peft warns that it activates another adapter; `_activate` re-applies ours anyway.
+            warnings.simplefilter("ignore", UserWarning)
+            self._peft.delete_adapter(self._peft_names.pop(name))
+        del self._resident[name]
+        self._active = _UNSET
+
+    def _activate(self, name: str | None) -> None:
+        """Make `name` (None: the base) the adapter every LoRA layer runs."""
+        if self._active is not _UNSET and self._active == name:
+            return
+        if self._peft is not None:
+            tuner = self._peft.base_model
+            if name is None:
+                tuner.disable_adapter_layers()
+            else:
+                tuner.enable_adapter_layers()
+                self._peft.set_adapter(self._peft_names[name], inference_mode=True)
+        self._active = name
+
+
+def _read_weights(info: AdapterInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in the base dtype; non-finite values are refused."""
+    try:
+        state = load_file(str(info.weights_path))
+    except (SafetensorError, OSError) as error:
+        raise CorruptAdapter(
+            f"adapter {info.name!r}: cannot read {info.weights_path}: {error}"
+        ) from error
+    for key, tensor in state.items():
+        if not torch.isfinite(tensor).all():
+            raise CorruptAdapter(f"adapter {info.name!r}: tensor {key!r} holds NaN or inf values")
+    return {key: tensor.to(dtype) for key, tensor in state.items()}
+
+
+def _check_injected(peft_model: Any, peft_name: str, num_modules: int) -> None:
+    """Every LoRA parameter of the new adapter got real weights (none left on the meta device)."""
+    suffixes = (f".lora_A.{peft_name}.weight", f".lora_B.{peft_name}.weight")
+    params = [(n, p) for n, p in peft_model.named_parameters() if n.endswith(suffixes)]
+    if len(params) != 2 * num_modules:
+        raise ValueError(f"expected {2 * num_modules} LoRA tensors, peft made {len(params)}")
+    empty = [n for n, p in params if p.is_meta]
+    if empty:
+        raise ValueError(f"no weights were loaded for {empty[:3]}")

@@ -1,0 +1,441 @@
+"""Validate a peft LoRA adapter directory against a base model, before reading any weight.
+
+Only the JSON config and the safetensors header (names, dtypes, shapes) are read here. What is
+accepted is *plain* LoRA on linear layers of the decoder:
+
+- `peft_type` LORA, weights in `adapter_model.safetensors` (a pickled `adapter_model.bin` is
+  refused, with the one-liner that converts it);
+- every LoRA tensor is `<module>.lora_A.weight` `[r, in]` or `<module>.lora_B.weight` `[out, r]`
+  of a linear module of the base, with `r` within the rank limit, and the modules in the file
+  are exactly those the config targets in this base (a missing pair would silently stay at
+  its zero init);
+- no variant that changes weights outside the LoRA delta or needs another forward: DoRA,
+  LoRA bias / `bias != "none"`, `modules_to_save`, trainable tokens, layer replication,
+  parameter targeting, aLoRA, QALoRA.
+
+Adapters on the token embedding or the lm_head are refused. Why: the draft heads run through the
+target's own embedding and lm_head, so an adapted lm_head would change what the heads propose
+and what the fingerprint of the base means; and peft's `adapter_names` batching (mixed-adapter
+batches) does not cover embedding LoRA. Refusing is the honest choice until an adapter needs it.
+
+Names must match `NAME_PATTERN`; with a root configured, the directory and every file in it must
+resolve inside the root (no `..`, no symlink leading out).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+from selfspec.adapters.errors import (
+    AdapterPathError,
+    CorruptAdapter,
+    IncompatibleAdapter,
+    InvalidAdapter,
+    PickleAdapter,
+    RankTooHigh,
+    UnsafeAdapterName,
+)
+from torch import nn
+
+from selfspec.fingerprint import BaseFingerprint, FingerprintMismatch, check_compatible
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+META_FILE = "selfspec_adapter.json"
+"""Optional, written by our recipes: `{"base": <fingerprint>, ...}`; checked when present."""
+HEADS_DIR = "heads"
+"""Optional heads recalibrated for this adapter, beside its weights."""
+MAX_CONFIG_BYTES = 1 << 20
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+_FLOAT_DTYPES = {"F32", "F16", "BF16"}
+_CONVERT_HINT = (
+    "convert it once, where you trust the file, with: python -c \"import torch; "
+    "from safetensors.torch import save_file; save_file(torch.load('adapter_model.bin', "
+    "weights_only=True), 'adapter_model.safetensors')\""
+)
+# Config fields that make an adapter something other than a plain LoRA delta on linear layers.
+_TRUE_REFUSED = {"use_dora": "DoRA", "lora_bias": "LoRA bias", "use_qalora": "QALoRA"}
+_SET_REFUSED = {
+    "modules_to_save": "full-module copies (modules_to_save)",
+    "trainable_token_indices": "trainable token embeddings",
+    "layer_replication": "layer replication",
+    "target_parameters": "parameter targeting",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+    "arrow_config": "Arrow routing",
+    "use_bdlora": "block-diagonal LoRA",
+    "kasa_config": "KaSA",
+}
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """What the store accepts."""
+
+    max_rank: int = 64
+    """Largest LoRA rank of any module."""
+    max_file_bytes: int = 512 << 20
+    """Largest `adapter_model.safetensors`."""
+
+    def __post_init__(self) -> None:
+        if self.max_rank < 1 or self.max_file_bytes < 1:
+            raise ValueError(f"adapter limits must be >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class BaseLayout:
+    """What validation needs to know about the base: its linear modules and its embeddings."""
+
+    linear: Mapping[str, tuple[int, int]]
+    """Module name (as in `base.named_modules()`) -> (in_features, out_features)."""
+    modules: frozenset[str]
+    """Names of every module of the base."""
+    embeddings: frozenset[str]
+    """Names of the input embedding and lm_head modules (LoRA on them is refused)."""
+    itemsize: int = 4
+    """Bytes per element of the base dtype; resident LoRA weights are kept in it."""
+    fingerprint: BaseFingerprint | None = None
+    """Checked against an adapter's `selfspec_adapter.json` when both are known."""
+
+    @classmethod
+    def of(cls, base: nn.Module, fingerprint: BaseFingerprint | None = None) -> BaseLayout:
+        """Layout of a plain (not peft-wrapped) HF causal LM."""
+        special = {id(base.get_input_embeddings()), id(base.get_output_embeddings())}
+        linear: dict[str, tuple[int, int]] = {}
+        names, embeddings = set(), set()
+        for name, module in base.named_modules():
+            names.add(name)
+            if id(module) in special:
+                embeddings.add(name)
+            elif (dims := _linear_dims(module)) is not None:
+                linear[name] = dims
+        itemsize = base.get_input_embeddings().weight.element_size()
+        return cls(linear, frozenset(names), frozenset(embeddings), itemsize, fingerprint)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A validated adapter: everything known from its config and header. No weights."""
+
+    name: str
+    path: Path
+    """Resolved adapter directory."""
+    config: Mapping[str, Any]
+    """`adapter_config.json` restricted to the fields this peft knows (see `ignored_fields`)."""
+    modules: tuple[str, ...]
+    """Base modules it adapts, sorted."""
+    max_rank: int
+    """Largest rank over its modules."""
+    num_tensors: int
+    nbytes: int
+    """Bytes its weights take once resident, in the base dtype."""
+    weights_size: int
+    """Size of the weights file in bytes (with `weights_mtime`, tells a changed file)."""
+    weights_mtime_ns: int
+    ignored_fields: tuple[str, ...] = ()
+    """Config keys unknown to this peft whose value was empty, dropped."""
+    heads_path: Path | None = None
+    """`<adapter>/heads` when the adapter carries its own recalibrated heads."""
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / WEIGHTS_FILE
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "modules": len(self.modules),
+            "max_rank": self.max_rank,
+            "lora_alpha": self.config.get("lora_alpha"),
+            "nbytes": self.nbytes,
+            "heads": str(self.heads_path) if self.heads_path else None,
+        }
+
+
+def check_name(name: object) -> str:
+    """`name` if it matches `NAME_PATTERN`; else `UnsafeAdapterName`."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise UnsafeAdapterName(
+            f"adapter name {name!r} is not allowed: expected 1-64 characters of letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit (no path characters)"
+        )
+    return name
+
+
+def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
+    """Resolved directory of an adapter; with `root`, it must lie strictly inside the root."""
+    given = Path(path).expanduser()
+    if ".." in given.parts:
+        raise AdapterPathError(f"adapter path {str(path)!r} contains '..'; give a plain path")
+    if root is not None:
+        real_root = root.resolve()
+        resolved = (given if given.is_absolute() else real_root / given).resolve()
+        if resolved == real_root or not resolved.is_relative_to(real_root):
+            raise AdapterPathError(
+                f"adapter path {str(path)!r} resolves to {resolved}, outside the adapters root "
+                f"{real_root} (symlinks are followed before the check)"
+            )
+    else:
+        resolved = given.resolve()
+    if not resolved.is_dir():
+        raise AdapterPathError(f"adapter path {str(path)!r} is not an existing directory")
+    return resolved
+
+
+def validate_adapter(
+    name: str,
+    path: str | Path,
+    layout: BaseLayout,
+    limits: AdapterLimits = AdapterLimits(),
+    root: Path | None = None,
+) -> AdapterInfo:
+    """Check that `path` holds a plain LoRA adapter fitting the base `layout`; read no weight."""
+    check_name(name)
+    directory = resolve_adapter_dir(path, root)
+    where = f"adapter {name!r} ({directory})"
+    config_path = _file_inside(directory, CONFIG_FILE, root, where)
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.exists():
+        pickles = [p for p in PICKLE_FILES if (directory / p).exists()]
+        if pickles:
+            raise PickleAdapter(
+                f"{where} stores its weights as a pickle ({pickles[0]}), which selfspec never "
+                f"loads: {_CONVERT_HINT}"
+            )
+        raise InvalidAdapter(f"{where} has no {WEIGHTS_FILE}")
+    weights_path = _file_inside(directory, WEIGHTS_FILE, root, where)
+    raw = _read_config(config_path, where)
+    config, ignored = _plain_lora_config(raw, where)
+    _check_meta(directory, layout, where)
+    stat = weights_path.stat()
+    if stat.st_size > limits.max_file_bytes:
+        raise InvalidAdapter(
+            f"{where}: {WEIGHTS_FILE} is {stat.st_size} bytes, above the limit of "
+            f"{limits.max_file_bytes}"
+        )
+    for rank in [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]:
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise InvalidAdapter(f"{where}: LoRA rank must be an int >= 1, got {rank!r}")
+        if rank > limits.max_rank:
+            raise RankTooHigh(f"{where} has LoRA rank {rank}, above the limit of {limits.max_rank}")
+    targeted = _targeted_modules(config, layout, where)
+    shapes = _header_shapes(weights_path, where)
+    modules, max_rank, numel = _check_tensors(shapes, layout, limits, where)
+    if targeted != set(modules):
+        missing, extra = sorted(targeted - set(modules)), sorted(set(modules) - targeted)
+        raise IncompatibleAdapter(
+            f"{where}: its config targets {len(targeted)} modules of this base but its weights "
+            f"hold {len(modules)}; without weights: {missing[:3]}, not targeted: {extra[:3]}"
+        )
+    heads = directory / HEADS_DIR
+    return AdapterInfo(
+        name=name,
+        path=directory,
+        config=config,
+        modules=tuple(sorted(modules)),
+        max_rank=max_rank,
+        num_tensors=len(shapes),
+        nbytes=numel * layout.itemsize,
+        weights_size=stat.st_size,
+        weights_mtime_ns=stat.st_mtime_ns,
+        ignored_fields=ignored,
+        heads_path=heads if (heads / "config.json").is_file() else None,
+    )
+
+
+def _file_inside(directory: Path, filename: str, root: Path | None, where: str) -> Path:
+    path = directory / filename
+    if not path.is_file():
+        raise InvalidAdapter(f"{where} has no {filename}")
+    resolved = path.resolve()
+    fence = root.resolve() if root is not None else None
+    if fence is not None and not resolved.is_relative_to(fence):
+        raise AdapterPathError(
+            f"{where}: {filename} is a link to {resolved}, outside the adapters root {fence}"
+        )
+    return resolved
+
+
+def _read_config(path: Path, where: str) -> dict[str, Any]:
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise InvalidAdapter(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidAdapter(f"{where}: {CONFIG_FILE} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise InvalidAdapter(f"{where}: {CONFIG_FILE} must hold a JSON object")
+    return data
+
+
+def _plain_lora_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The config restricted to known LoraConfig fields; refuses anything but plain LoRA."""
+    from peft import LoraConfig
+
+    if raw.get("peft_type") != "LORA":
+        raise InvalidAdapter(
+            f"{where} is a {raw.get('peft_type')!r} adapter; only peft LoRA (peft_type LORA) is "
+            "supported"
+        )
+    for key, what in _TRUE_REFUSED.items():
+        if raw.get(key):
+            raise InvalidAdapter(f"{where} uses {what}; only plain LoRA adapters are supported")
+    for key, what in _SET_REFUSED.items():
+        if raw.get(key) not in (None, False, [], {}, ""):
+            raise InvalidAdapter(f"{where} uses {what}; only plain LoRA adapters are supported")
+    if raw.get("bias", "none") != "none":
+        raise InvalidAdapter(
+            f"{where} trains biases of the base (bias={raw.get('bias')!r}); only bias='none' keeps "
+            "the base weights untouched"
+        )
+    if not raw.get("target_modules"):
+        raise InvalidAdapter(f"{where}: {CONFIG_FILE} names no target_modules")
+    known = {f.name for f in fields(LoraConfig) if f.init}
+    unknown = sorted(set(raw) - known)
+    meaningful = [k for k in unknown if raw[k] not in (None, False, [], {}, "")]
+    if meaningful:
+        raise InvalidAdapter(
+            f"{where}: {CONFIG_FILE} has fields this peft does not know: {meaningful} (made by a "
+            "newer peft?); refusing rather than ignoring them"
+        )
+    return {k: v for k, v in raw.items() if k in known}, tuple(unknown)
+
+
+def _check_meta(directory: Path, layout: BaseLayout, where: str) -> None:
+    path = directory / META_FILE
+    if not path.is_file() or layout.fingerprint is None:
+        return
+    data = _read_config(path, where)
+    base = data.get("base")
+    if base is None:
+        return
+    try:
+        check_compatible(BaseFingerprint.from_dict(base), layout.fingerprint, what=where)
+    except (TypeError, ValueError) as error:
+        kind = IncompatibleAdapter if isinstance(error, FingerprintMismatch) else InvalidAdapter
+        raise kind(f"{where}: {META_FILE}: {error}") from error
+
+
+def _header_shapes(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """tensor name -> (dtype, shape), from the header only. Truncated files fail here."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            out = {}
+            for key in handle.keys():  # noqa: SIM118 -- safe_open is not a Mapping
+                tensor_slice = handle.get_slice(key)
+                out[key] = (tensor_slice.get_dtype(), tuple(tensor_slice.get_shape()))
+            return out
+    except (SafetensorError, OSError) as error:
+        raise CorruptAdapter(
+            f"{where}: {WEIGHTS_FILE} is not a complete safetensors file (truncated or "
+            f"corrupt?): {error}"
+        ) from error
+
+
+def _check_tensors(
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]],
+    layout: BaseLayout,
+    limits: AdapterLimits,
+    where: str,
+) -> tuple[dict[str, int], int, int]:
+    """module -> rank, largest rank, total elements."""
+    if not shapes:
+        raise InvalidAdapter(f"{where}: {WEIGHTS_FILE} holds no tensors")
+    parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    numel = 0
+    for key, (dtype, shape) in shapes.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise InvalidAdapter(
+                f"{where}: tensor {key!r} is not a LoRA A/B weight of a linear module "
+                "(embedding LoRA, DoRA magnitudes and saved modules are not supported)"
+            )
+        if dtype not in _FLOAT_DTYPES or len(shape) != 2:
+            raise InvalidAdapter(
+                f"{where}: tensor {key!r} is {dtype} {list(shape)}, expected a 2D float tensor"
+            )
+        parts.setdefault(match["module"], {})[match["part"]] = shape
+        numel += math.prod(shape)
+    ranks: dict[str, int] = {}
+    for module, pair in sorted(parts.items()):
+        if module in layout.embeddings:
+            raise InvalidAdapter(
+                f"{where} adapts {module!r}, the token embedding or lm_head: refused, because the "
+                "draft heads share these modules with the target (see selfspec.adapters.validate)"
+            )
+        if module not in layout.linear:
+            what = "is not a linear layer of" if module in layout.modules else "does not exist in"
+            raise IncompatibleAdapter(f"{where}: module {module!r} {what} the loaded base")
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise InvalidAdapter(f"{where}: module {module!r} lacks one of lora_A / lora_B")
+        (rank, a_in), (b_out, b_rank) = pair["lora_A"], pair["lora_B"]
+        expected_in, expected_out = layout.linear[module]
+        if (a_in, b_out) != (expected_in, expected_out) or rank != b_rank:
+            raise IncompatibleAdapter(
+                f"{where}: module {module!r} has lora_A {list(pair['lora_A'])} and lora_B "
+                f"{list(pair['lora_B'])}; the base needs [r, {expected_in}] and "
+                f"[{expected_out}, r] (an adapter for another base?)"
+            )
+        if rank > limits.max_rank:
+            raise RankTooHigh(
+                f"{where}: module {module!r} has LoRA rank {rank}, above the limit of "
+                f"{limits.max_rank}"
+            )
+        ranks[module] = rank
+    return ranks, max(ranks.values()), numel
+
+
+def _targeted_modules(config: Mapping[str, Any], layout: BaseLayout, where: str) -> set[str]:
+    """Linear modules of the base that peft would adapt under `config`."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    try:
+        lora = LoraConfig(**config)
+    except (TypeError, ValueError) as error:
+        raise InvalidAdapter(
+            f"{where}: {CONFIG_FILE} is not a valid LoRA config: {error}"
+        ) from error
+    if lora.target_modules == "all-linear":
+        return set(layout.linear)
+    targeted = {
+        name
+        for name in layout.modules
+        if name and check_target_module_exists(lora, name)
+    }
+    if not targeted:
+        raise IncompatibleAdapter(
+            f"{where}: its target_modules {lora.target_modules!r} do not exist in the loaded base "
+            "(an adapter for another architecture?)"
+        )
+    for name in sorted(targeted):
+        if name in layout.embeddings:
+            raise InvalidAdapter(
+                f"{where} targets {name!r}, the token embedding or lm_head: refused, because the "
+                "draft heads share these modules with the target (see selfspec.adapters.validate)"
+            )
+        if name not in layout.linear:
+            raise IncompatibleAdapter(
+                f"{where} targets {name!r}, which is not a linear layer of the loaded base"
+            )
+    return targeted
+
+
+def _linear_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a linear layer: nn.Linear, or transformers' Conv1D (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return int(module.weight.shape[0]), int(module.nf)
+    return None

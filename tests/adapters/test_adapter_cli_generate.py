@@ -1,0 +1,64 @@
+"""`selfspec generate --adapter`: the adapter's own output, speculating or not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from lora_helpers import reference_under
+from tiny_models import make_tiny_tokenizer, save_tiny_target
+
+from selfspec import build_heads, heads_config_for, save_heads
+from selfspec.cli import main
+from selfspec.fingerprint import fingerprint_of
+
+PROMPT = "hello adapters"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def target_and_heads(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    target = save_tiny_target(root / "tiny-llama")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    heads = save_heads(
+        build_heads(heads_config_for(model, "medusa")), root / "heads", fingerprint_of(model)
+    )
+    return target, heads
+
+
+def _generate(capsys, *argv: str) -> tuple[int, dict | str]:
+    code = main(["generate", "--no-chat", "--json", "--max-new-tokens", str(NEW), *argv])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out) if code == 0 else captured.err
+
+
+def test_generate_with_adapter_dir_and_by_name(capsys, target_and_heads, adapter_root) -> None:
+    target, heads = target_and_heads
+    prompt_ids = make_tiny_tokenizer().encode(PROMPT)
+    expected = reference_under(adapter_root / "all.linear", prompt_ids, NEW)
+    common = ["--prompt", PROMPT, "--model", str(target)]
+    code, by_dir = _generate(
+        capsys, *common, "--heads", str(heads), "--adapter", str(adapter_root / "all.linear")
+    )
+    assert code == 0 and by_dir["token_ids"] == expected
+    code, by_name = _generate(
+        capsys, *common, "--no-speculation", "--adapter", "all.linear",
+        "--adapters-root", str(adapter_root),
+    )
+    assert code == 0 and by_name["token_ids"] == expected
+    code, base = _generate(capsys, *common, "--heads", str(heads))
+    assert code == 0 and base["token_ids"] != expected
+
+
+def test_generate_with_unknown_adapter_is_a_clear_error(capsys, target_and_heads, adapter_root):
+    target, _ = target_and_heads
+    code, err = _generate(
+        capsys, "--prompt", PROMPT, "--model", str(target), "--no-speculation",
+        "--adapter", "nope", "--adapters-root", str(adapter_root),
+    )
+    assert code == 2
+    assert "unknown adapter 'nope'" in err and "all.linear, attn, mlp_down" in err
