@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from selfspec.adapters.errors import AdapterPathError
 from selfspec.adapters.shipped import examples_root
 from selfspec.adapters.store import AdapterStore, StepScope
 from transformers import PreTrainedModel
@@ -39,8 +38,6 @@ def select_adapter(
         name = directory.name
     else:
         store = store_for(model, adapters_root, is_default_target)
-        if store.root is None and not store.names() and "/" in adapter:
-            raise AdapterPathError(f"adapter directory {adapter!r} does not exist")
         name = store.resolve(adapter)
     store.load(name)
     return store, name, store.scope(name)

@@ -95,8 +95,13 @@ class AdapterStore:
         adapters: Mapping[str, str | Path] | None = None,
         config: StoreConfig | None = None,
     ) -> None:
-        if callable(getattr(model, "get_base_model", None)):
-            raise TypeError("AdapterStore takes the plain base model, not a peft-wrapped one")
+        if callable(getattr(model, "get_base_model", None)) or any(
+            hasattr(module, "base_layer") for module in model.modules()
+        ):
+            raise TypeError(
+                "AdapterStore takes the plain base model; this one is peft-wrapped or already "
+                "carries LoRA layers (one store per base model)"
+            )
         self.base_model = model
         self.config = config or StoreConfig()
         self.root = Path(root).expanduser().resolve() if root is not None else None

@@ -19,6 +19,18 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "self-distil responses from the target",
     ),
     "train": ("selfspec.train.cli", "train_main", "train", "train draft heads with Lightning"),
+    "eval": (
+        "selfspec.adapters.cli",
+        "eval_main",
+        "adapters",
+        "adapter robustness: tau, acceptance and speedup per adapter vs the base",
+    ),
+    "adapters": (
+        "selfspec.adapters.cli",
+        "adapters_main",
+        "adapters",
+        "list the adapters of a root, valid or rejected (with why)",
+    ),
 }
 
 

@@ -90,7 +90,8 @@ class OracleDrafter:
         plan: DraftPlan,
         generator: torch.Generator | None,
     ) -> Tree:
-        assert root_token == self.continuation[state.position]
+        if state.position < len(self.continuation):
+            assert root_token == self.continuation[state.position], "the loop lost track"
 
         def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
             return torch.stack([self._logits(tree, node, state.position) for node in frontier])

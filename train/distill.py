@@ -15,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
-
-from selfspec.fingerprint import fingerprint_of
-from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 from selfspec.train.memory import check_fits
 from selfspec.train.prompts import BadLine, OnBadLine, PromptsError, read_prompts
 from selfspec.train.shards import (
@@ -29,6 +25,10 @@ from selfspec.train.shards import (
     write_json,
     write_shard,
 )
+from tqdm import tqdm
+
+from selfspec.fingerprint import fingerprint_of
+from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class DistillConfig:
     """Shard i samples with seed + i, so a resumed run gives what an uninterrupted one gives."""
     store_features: bool = True
     """Keep the target's last hidden state per position (float16), so training skips the target."""
-    on_bad_line: OnBadLine = OnBadLine.FAIL
+    on_bad_line: OnBadLine = OnBadLine.fail
     """What a bad prompt line does: "skip" (reported with its line number) or "fail"."""
 
     def __post_init__(self) -> None:
@@ -69,7 +69,8 @@ class DistillConfig:
                 raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ValueError(
-                f"distill needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+                "distill needs temperature > 0 and 0 < top_p <= 1, "
+                f"got {self.temperature}, {self.top_p}"
             )
 
 
@@ -97,8 +98,11 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
     for record in records:
         ids = apply_chat_template(tokenizer, record.prompt)
         if len(ids) > config.max_prompt_tokens:
-            reason = f"prompt has {len(ids)} tokens, more than max_prompt_tokens={config.max_prompt_tokens}"
-            if config.on_bad_line is OnBadLine.FAIL:
+            reason = (
+                f"prompt has {len(ids)} tokens, more than "
+                f"max_prompt_tokens={config.max_prompt_tokens}"
+            )
+            if config.on_bad_line is OnBadLine.fail:
                 raise PromptsError(f"{config.prompts}:{record.source_index}: {reason}")
             logger.warning("%s:%d: skipped: %s", config.prompts, record.source_index, reason)
             bad.append(BadLine(record.source_index, reason))
@@ -107,8 +111,11 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
     if not encoded:
         raise PromptsError(f"prompts {config.prompts} has no prompt within max_prompt_tokens")
     longest = max(len(ids) for _, ids in encoded) + config.max_new_tokens
-    check_fits(_generation_bytes(model, config.batch_size, longest), model.device,
-               f"distill batch_size={config.batch_size} x {longest} tokens")
+    check_fits(
+        _generation_bytes(model, config.batch_size, longest),
+        model.device,
+        f"distill batch_size={config.batch_size} x {longest} tokens",
+    )
     settings = _settings(config, loaded)
     shards = [encoded[i : i + config.shard_size] for i in range(0, len(encoded), config.shard_size)]
     done = skipped = tokens = 0
@@ -127,8 +134,12 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
         write_shard(
             path,
             rows,
-            {"key": key, "rows": len(shard), "generated_tokens": produced,
-             "seconds": round(time.perf_counter() - shard_started, 2)},
+            {
+                "key": key,
+                "rows": len(shard),
+                "generated_tokens": produced,
+                "seconds": round(time.perf_counter() - shard_started, 2),
+            },
             features=model.get_input_embeddings().weight.shape[1],
         )
         done += 1
@@ -140,11 +151,23 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
             logger.warning("removing %s: not part of this run's %d shards", stale, len(shards))
             _remove(stale)
     report = DistillReport(
-        rows=len(encoded), generated_tokens=tokens, seconds=time.perf_counter() - started,
-        shards_done=done, shards_skipped=skipped, bad_lines=len(bad),
+        rows=len(encoded),
+        generated_tokens=tokens,
+        seconds=time.perf_counter() - started,
+        shards_done=done,
+        shards_skipped=skipped,
+        bad_lines=len(bad),
     )
-    write_json(out / MANIFEST, {"settings": settings, "shards": len(shards), "rows": len(encoded),
-                                "bad_lines": len(bad), "last_run": asdict(report)})
+    write_json(
+        out / MANIFEST,
+        {
+            "settings": settings,
+            "shards": len(shards),
+            "rows": len(encoded),
+            "bad_lines": len(bad),
+            "last_run": asdict(report),
+        },
+    )
     return report
 
 
@@ -176,9 +199,12 @@ def _generation_bytes(model: torch.nn.Module, batch: int, length: int) -> int:
 
 
 @torch.no_grad()
-def _generate_shard(model, tokenizer, shard, config: DistillConfig, seed: int, bar) -> dict[str, list]:
-    columns: dict[str, list] = {k: [] for k in ("input_ids", "prompt_len", "response_len",
-                                                "finished", "source_index")}
+def _generate_shard(
+    model, tokenizer, shard, config: DistillConfig, seed: int, bar
+) -> dict[str, list]:
+    columns: dict[str, list] = {
+        k: [] for k in ("input_ids", "prompt_len", "response_len", "finished", "source_index")
+    }
     if config.store_features:
         columns["features"] = []
     order = sorted(range(len(shard)), key=lambda i: len(shard[i][1]))  # less padding per batch
@@ -187,8 +213,11 @@ def _generate_shard(model, tokenizer, shard, config: DistillConfig, seed: int, b
         torch.manual_seed(seed)
         for start in range(0, len(order), config.batch_size):
             batch = [order[i] for i in range(start, min(start + config.batch_size, len(order)))]
-            for i, row in zip(batch, _generate_batch(model, tokenizer, [shard[i][1] for i in batch],
-                                                     config), strict=True):
+            for i, row in zip(
+                batch,
+                _generate_batch(model, tokenizer, [shard[i][1] for i in batch], config),
+                strict=True,
+            ):
                 results[i] = row
             bar.update(len(batch))
     for i, (ids, prompt_len, response_len, finished, features) in sorted(results.items()):
@@ -202,7 +231,9 @@ def _generate_shard(model, tokenizer, shard, config: DistillConfig, seed: int, b
     return columns
 
 
-def _generate_batch(model, tokenizer, prompts: list[list[int]], config: DistillConfig) -> list[tuple]:
+def _generate_batch(
+    model, tokenizer, prompts: list[list[int]], config: DistillConfig
+) -> list[tuple]:
     """(ids, prompt_len, response_len, finished, features [len-1, H] float16 numpy) per prompt."""
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -210,15 +241,27 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], config: DistillC
     input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the same column
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
     captured: list[torch.Tensor] = []
-    hook = model.get_decoder().register_forward_hook(
-        lambda _m, _a, output: captured.append(output.last_hidden_state)
-    ) if config.store_features else None
+    hook = (
+        model.get_decoder().register_forward_hook(
+            lambda _m, _a, output: captured.append(output.last_hidden_state)
+        )
+        if config.store_features
+        else None
+    )
     try:
-        sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
-                    "top_k": None} if config.do_sample else {"do_sample": False}
+        sampling = (
+            {
+                "do_sample": True,
+                "temperature": config.temperature,
+                "top_p": config.top_p,
+                "top_k": None,
+            }
+            if config.do_sample
+            else {"do_sample": False}
+        )
         out = model.generate(
             input_ids.to(model.device),
             attention_mask=attention_mask.to(model.device),

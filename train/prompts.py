@@ -19,9 +19,9 @@ Prompt = str | list[dict[str, str]]
 
 
 class OnBadLine(str, Enum):
-    SKIP = "skip"
+    skip = "skip"
     """Report each bad line (with its number) and go on without it."""
-    FAIL = "fail"
+    fail = "fail"
     """Stop at the first bad line with an error naming the file and line."""
 
 
@@ -44,7 +44,7 @@ class BadLine:
 
 
 def read_prompts(
-    path: str | Path, on_bad_line: OnBadLine = OnBadLine.FAIL
+    path: str | Path, on_bad_line: OnBadLine = OnBadLine.fail
 ) -> tuple[list[PromptRecord], list[BadLine]]:
     """Prompts from a JSONL file or a `datasets` directory, and the bad lines that were skipped."""
     path = Path(path)
@@ -70,7 +70,7 @@ def _read_jsonl(path: Path, on_bad_line: OnBadLine) -> tuple[list[PromptRecord],
                 prompt = _parse(json.loads(line))
             except (json.JSONDecodeError, PromptsError) as error:
                 reason = error.msg if isinstance(error, json.JSONDecodeError) else str(error)
-                if on_bad_line is OnBadLine.FAIL:
+                if on_bad_line is OnBadLine.fail:
                     raise PromptsError(f"{path}:{number}: {reason}") from None
                 logger.warning("%s:%d: skipped: %s", path, number, reason)
                 bad.append(BadLine(number, reason))
@@ -111,7 +111,9 @@ def _parse(obj: object) -> Prompt:
         isinstance(messages, list)
         and messages
         and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in messages
         )
     ):

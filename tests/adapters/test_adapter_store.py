@@ -135,3 +135,27 @@ def test_mixed_adapter_batch_matches_each_adapter_alone(base, adapter_root) -> N
             with store.scope(name)():
                 alone = body(input_ids=rows[row : row + 1]).last_hidden_state  # [1, S, H]
             torch.testing.assert_close(mixed[row], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_requests_on_different_adapters_interleaved_step_by_step(
+    base, adapter_root, references
+) -> None:
+    store = AdapterStore(base, root=adapter_root, config=StoreConfig(max_resident=2))
+    generator = _generator(base, "eagle")
+    names = ["attn", "all.linear", None, "mlp_down"]  # 3 adapters, 2 slots: evictions mid-request
+    streams = [generator.stream(PROMPT, SPECULATIVE, scope=store.scope(n)) for n in names]
+    iterators = [iter(stream) for stream in streams]
+    running = set(range(len(names)))
+    while running:
+        for index in sorted(running):
+            if next(iterators[index], None) is None:
+                running.discard(index)
+    for name, stream in zip(names, streams, strict=True):
+        assert stream.result.token_ids == references[name], name
+
+
+def test_one_store_per_base_model(base, adapter_root) -> None:
+    store = AdapterStore(base, root=adapter_root)
+    store.load("attn")
+    with pytest.raises(TypeError, match="one store per base model"):
+        AdapterStore(base)

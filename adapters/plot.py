@@ -1,0 +1,47 @@
+"""Plot a robustness report: τ and speedup per adapter, against the base."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from selfspec.adapters.robustness import RobustnessReport
+
+
+def plot_report(report: RobustnessReport, path: Path) -> Path:
+    """Write a PNG with two panels (τ, speedup), one bar per row; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = [row.name for row in report.rows]
+    colors = ["#7f7f7f"] + ["#1f77b4"] * (len(names) - 1)
+    figure, (tau_axis, speed_axis) = plt.subplots(1, 2, figsize=(4 + 1.2 * len(names), 4))
+    panels = (
+        (tau_axis, [row.tau for row in report.rows], "τ (tokens per target forward)"),
+        (speed_axis, [row.speedup for row in report.rows], "speedup vs vanilla (decode tok/s)"),
+    )
+    for axis, values, title in panels:
+        axis.bar(names, values, color=colors)
+        axis.axhline(values[0], color="#7f7f7f", linestyle="--", linewidth=1, label="base")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_title(title)
+        axis.tick_params(axis="x", rotation=30)
+        for x, value in enumerate(values):
+            axis.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=8)
+    settings = report.settings
+    figure.suptitle(f"{settings.get('target', '')}, heads: {settings.get('heads', '')}")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(handle)
+    try:
+        figure.savefig(temporary, dpi=120)
+        os.replace(temporary, path)
+    finally:
+        plt.close(figure)
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path

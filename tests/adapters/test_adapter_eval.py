@@ -1,0 +1,74 @@
+"""`selfspec eval`: a robustness report for the base and every adapter, and its gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_target
+
+from selfspec import build_heads, heads_config_for, save_heads
+from selfspec.cli import main
+from selfspec.fingerprint import fingerprint_of
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    target = save_tiny_target(root / "tiny-llama")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    heads = save_heads(
+        build_heads(heads_config_for(model, "medusa")), root / "heads", fingerprint_of(model)
+    )
+    prompts = root / "prompts.jsonl"
+    lines = [{"prompt": "hello"}, {"messages": [{"role": "user", "content": "hi there"}]}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return target, heads, prompts
+
+
+def _eval(setup, adapter_root: Path, out: Path, *extra: str) -> int:
+    target, heads, prompts = setup
+    return main([
+        "eval", "--model", str(target), "--heads", str(heads), "--adapters-root",
+        str(adapter_root), "--prompts", str(prompts), "--max-new-tokens", "8",
+        "--out", str(out), *extra,
+    ])
+
+
+def test_eval_writes_json_markdown_and_plot(setup, adapter_root, tmp_path, capsys) -> None:
+    assert _eval(setup, adapter_root, tmp_path, "--min-ratio", "0.01") == 0
+    report = json.loads((tmp_path / "robustness.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert list(rows) == ["(base)", "all.linear", "attn", "mlp_down"]
+    for row in rows.values():
+        assert row["lossless"] and row["greedy_equal"] == row["prompts"] == 2
+        assert row["tau"] >= 1.0 and row["vanilla_tps"] > 0 and row["speculative_tps"] > 0
+        assert all(0.0 <= rate <= 1.0 for rate in row["acceptance_by_depth"])
+    assert rows["(base)"]["tau_ratio"] == 1.0
+    markdown = (tmp_path / "robustness.md").read_text()
+    assert "| all.linear |" in markdown and "speedup" in markdown
+    assert (tmp_path / "robustness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| mlp_down |" in capsys.readouterr().out
+
+
+def test_eval_gate_fails_and_lists_adapters_below(setup, adapter_root, tmp_path, capsys) -> None:
+    code = _eval(setup, adapter_root, tmp_path, "--min-ratio", "1000", "--no-plot",
+                 "--adapters", "attn", "mlp_down")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "below --min-ratio 1000.0: attn (" in err and "mlp_down (" in err
+    assert "all.linear" not in err
+    assert not (tmp_path / "robustness.png").exists()
+
+
+def test_eval_bad_prompts_file_is_a_clear_error(setup, adapter_root, tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    target, heads, _ = setup
+    code = main(["eval", "--model", str(target), "--heads", str(heads), "--adapters-root",
+                 str(adapter_root), "--prompts", str(bad), "--out", str(tmp_path)])
+    assert code == 2
+    assert 'bad.jsonl:1: expected {"prompt": "..."}' in capsys.readouterr().err

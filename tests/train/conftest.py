@@ -1,0 +1,63 @@
+"""Fixtures of the training tests: a tiny target on disk, prompts, and a distilled dataset."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_tiny_model, make_tiny_tokenizer
+
+from selfspec.target import TargetSpec
+from selfspec.train.distill import DistillConfig, distill
+
+PROMPTS = [f"tell me about {word}" for word in ("cats", "rain", "tea", "maps", "code", "sun")] * 4
+
+
+def save_peaked_target(path: Path, seed: int) -> Path:
+    """A tiny Llama (tied embeddings, like SmolLM2) whose next-token distributions are peaked.
+
+    A random init gives near-uniform logits (std ~0.1), which leave heads nothing to learn;
+    scaling the tied embedding makes the target confident, like a trained model.
+    """
+    model = make_tiny_model("llama", seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(100.0)
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target and its tokenizer as a local HF directory."""
+    return save_peaked_target(tmp_path_factory.mktemp("target") / "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same architecture and sizes, other weights: a different base."""
+    return save_peaked_target(tmp_path_factory.mktemp("target") / "llama-other", seed=1)
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+@pytest.fixture(scope="session")
+def distilled(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """24 distilled rows (3 shards of 8), features stored."""
+    root = tmp_path_factory.mktemp("distilled")
+    prompts = write_prompts(root / "prompts.jsonl", PROMPTS)
+    config = DistillConfig(
+        prompts=str(prompts),
+        output=str(root / "data"),
+        target=TargetSpec(model=str(tiny_target)),
+        max_new_tokens=16,
+        batch_size=8,
+        shard_size=8,
+    )
+    distill(config)
+    return root / "data"

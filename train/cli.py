@@ -1,0 +1,50 @@
+"""``selfspec distill`` and ``selfspec train``: CLIs generated from typed signatures.
+
+``distill`` takes the fields of `DistillConfig` as flags (``--target.model``, ``--max_new_tokens``)
+or from a YAML file (``--config``). ``train`` is a LightningCLI over `HeadsModule` and
+`DistilledDataModule`; a recipe YAML holds its values (see ``train/recipes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import fields
+
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def distill_main(argv: list[str] | None = None) -> int:
+    from selfspec.train.distill import DistillConfig, distill
+    from selfspec.train.memory import MemoryBudgetError
+    from selfspec.train.prompts import PromptsError
+
+    from selfspec.target import TargetLoadError
+
+    parser = ArgumentParser(prog="selfspec distill", description=distill.__doc__)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
+    parser.add_class_arguments(DistillConfig, None, as_group=False)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        values = parser.instantiate(args)
+        config = DistillConfig(**{f.name: values[f.name] for f in fields(DistillConfig)})
+        report = distill(config)
+    except (PromptsError, TargetLoadError, MemoryBudgetError, ValueError) as error:
+        print(f"selfspec distill: error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"distilled {report.rows} prompts into {config.output}: {report.shards_done} shards "
+        f"generated, {report.shards_skipped} already done, {report.bad_lines} bad lines skipped; "
+        f"{report.generated_tokens} tokens in {report.seconds:.0f} s "
+        f"({report.tokens_per_second:.1f} tokens/s)"
+    )
+    return 0
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    from selfspec.train.lightning_cli import run_train
+
+    return run_train(argv)

@@ -1,0 +1,126 @@
+"""The LightningDataModule over a distilled dataset (see `selfspec.train.shards`).
+
+Rows are right-padded into batches: ``input_ids`` # [B, L], ``lengths`` and ``prompt_len`` # [B],
+and, when the dataset stored them, ``features`` # [B, L-1, H] (the last token's feature is never
+needed: nothing after it is trained). Validation is a separate distilled dataset (e.g. of the
+held-out prompts) or, without one, a seeded ``val_fraction`` of the training rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from selfspec.train.shards import DistilledDataError, load_distilled
+from torch.utils.data import DataLoader
+
+
+class DistilledDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        train_data: str,
+        val_data: str | None = None,
+        val_fraction: float = 0.05,
+        batch_size: int = 8,
+        max_length: int = 512,
+        max_rows: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            train_data: directory written by ``selfspec distill``.
+            val_data: a second distilled directory for validation (held-out prompts).
+            val_fraction: share of train rows held out when val_data is not given.
+            batch_size: rows per batch (per process under DDP).
+            max_length: rows are cut to this many tokens.
+            max_rows: use only the first rows of train_data (quick runs).
+            num_workers: DataLoader worker processes.
+            seed: seed of the validation split.
+        """
+        super().__init__()
+        if batch_size < 1 or max_length < 3 or not 0 <= val_fraction < 1:
+            raise ValueError(
+                f"need batch_size >= 1, max_length >= 3, 0 <= val_fraction < 1; got {batch_size}, "
+                f"{max_length}, {val_fraction}"
+            )
+        self.train_data, self.val_data = train_data, val_data
+        self.val_fraction, self.batch_size, self.max_length = val_fraction, batch_size, max_length
+        self.max_rows, self.num_workers, self.seed = max_rows, num_workers, seed
+        self.train_set: Any = None
+        self.val_set: Any = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        data = load_distilled(self.train_data)
+        if self.max_rows is not None:
+            data = data.select(range(min(self.max_rows, len(data))))
+        _check_rows(data, self.train_data)
+        if self.val_data is not None:
+            self.train_set, self.val_set = data, load_distilled(self.val_data)
+            _check_rows(self.val_set, self.val_data)
+        elif self.val_fraction > 0 and len(data) >= 2:
+            split = data.train_test_split(test_size=self.val_fraction, seed=self.seed)
+            self.train_set, self.val_set = split["train"], split["test"]
+        else:
+            self.train_set = data
+        self.train_set = self.train_set.with_format("numpy")
+        if self.val_set is not None:
+            self.val_set = self.val_set.with_format("numpy")
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+            drop_last=False,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [min(len(r["input_ids"]), self.max_length) for r in rows]
+        width = max(lengths)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, L]
+        for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+            input_ids[i, :n] = torch.as_tensor(np.asarray(row["input_ids"][:n], dtype=np.int64))
+        batch = {
+            "input_ids": input_ids,
+            "lengths": torch.tensor(lengths),
+            "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows]),
+        }
+        if "features" in rows[0]:
+            hidden = np.asarray(rows[0]["features"]).shape[-1]
+            features = torch.zeros(len(rows), width - 1, hidden)  # [B, L-1, H]
+            for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+                features[i, : n - 1] = torch.from_numpy(
+                    np.asarray(row["features"][: n - 1], dtype=np.float32)
+                )
+            batch["features"] = features
+        return batch
+
+
+def _check_rows(data: Any, name: str) -> None:
+    """Reject rows the losses cannot use, naming the dataset and the first bad row."""
+    lengths = np.array([len(ids) for ids in data["input_ids"]])
+    prompt_len = np.asarray(data["prompt_len"])
+    bad = np.nonzero((prompt_len < 1) | (prompt_len >= lengths))[0]
+    if len(bad):
+        raise DistilledDataError(
+            f"distilled dataset {name}: row {int(bad[0])} has prompt_len {int(prompt_len[bad[0]])} "
+            f"but {int(lengths[bad[0]])} tokens; every row needs a prompt and a response"
+        )

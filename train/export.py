@@ -1,0 +1,100 @@
+"""Callback that exports the trained heads (core format) and measures τ when a fit ends.
+
+Writes ``output_dir/config.json`` + ``model.safetensors`` via ``save_heads`` with the training
+metrics and τ in its ``extra``, and the same record as ``output_dir/metrics.json`` beside them.
+Only rank 0 writes; every rank reaches the same barrier, so no rank leaves early.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from selfspec.train.module import HeadsModule
+from selfspec.train.prompts import OnBadLine, read_prompts
+from selfspec.train.shards import write_json
+from selfspec.train.tau import default_trees, measure_tau
+
+
+class ExportHeads(L.Callback):
+    def __init__(
+        self,
+        output_dir: str,
+        tau_prompts: str | None = None,
+        tau_num_prompts: int = 20,
+        tau_max_new_tokens: int = 128,
+    ) -> None:
+        """
+        Args:
+            output_dir: where the heads are exported (replaced atomically).
+            tau_prompts: JSONL of held-out prompts for measuring τ with the engine; None skips it.
+            tau_num_prompts: how many of them (the first ones).
+            tau_max_new_tokens: tokens generated per prompt.
+        """
+        self.output_dir = Path(output_dir)
+        self.tau_prompts = tau_prompts
+        self.tau_num_prompts = tau_num_prompts
+        self.tau_max_new_tokens = tau_max_new_tokens
+        self._started = 0.0
+        self._tokens = 0.0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._tokens += float(batch["lengths"].sum())
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(pl_module, HeadsModule):
+            raise TypeError("ExportHeads needs a HeadsModule")
+        if trainer.is_global_zero:
+            self.export(trainer, pl_module)
+        trainer.strategy.barrier("selfspec-export")
+
+    def export(self, trainer: L.Trainer, module: HeadsModule) -> dict[str, Any]:
+        metrics = {
+            k: round(float(v), 5)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith(("val/", "train/"))
+        }
+        record: dict[str, Any] = {
+            "kind": module.kind.value,
+            "target": module.target_spec.model or "SmolLM2-135M-Instruct",
+            "global_step": trainer.global_step,
+            "epochs": trainer.current_epoch,
+            "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
+            "tokens_seen_this_run_rank0": int(self._tokens),
+            "world_size": trainer.world_size,
+            "loss_weights": vars(module.loss_weights),
+            "optim": vars(module.optim),
+            "metrics": metrics,
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor(),
+                "torch_threads": torch.get_num_threads(),
+                "dtype": str(module.target.dtype),
+            },
+        }
+        module.heads.eval()
+        if self.tau_prompts is not None:
+            records, _ = read_prompts(self.tau_prompts, OnBadLine.fail)
+            prompts = [r.prompt for r in records[: self.tau_num_prompts]]
+            trees = default_trees(module.heads)
+            trees = measure_tau(
+                module.target.model,
+                module.heads,
+                module.tokenizer,
+                prompts,
+                trees,
+                self.tau_max_new_tokens,
+            )
+            record["tau"] = {"prompts_file": Path(self.tau_prompts).name, "greedy": trees}
+        module.export(self.output_dir, extra=record)
+        write_json(self.output_dir / "metrics.json", record)
+        print(json.dumps({"exported": str(self.output_dir), **record.get("tau", {})}, indent=2))
+        return record

@@ -1,0 +1,172 @@
+"""The LightningModule: a frozen target and trainable heads; only the heads are its parameters.
+
+The target is held through `TargetForward`, a plain object, not a child module: Lightning's
+checkpoints, DDP's gradient sync and the optimizer see the heads alone, and a checkpoint is a few
+MB instead of the target's weights. The target's features come from the distilled rows when they
+were stored (``selfspec distill --store_features true``), else from one no-grad forward per batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
+
+from selfspec.fingerprint import BaseFingerprint, fingerprint_of
+from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
+from selfspec.target import TargetSpec, load_target
+from selfspec.target_forward import TargetForward
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay to ``min_lr_ratio`` * lr."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.5
+    """Set as the Trainer's gradient_clip_val by the recipes; recorded here for the export."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"invalid optimizer settings: {self}")
+
+
+class HeadsModule(L.LightningModule):
+    def __init__(
+        self,
+        target: TargetSpec | None = None,
+        kind: Literal["eagle", "medusa"] = "eagle",
+        num_heads: int = 4,
+        num_layers: int = 1,
+        loss: LossWeights | None = None,
+        optim: OptimConfig | None = None,
+        init_from: str | None = None,
+    ) -> None:
+        """
+        Args:
+            target: the frozen target (default: the embedded SmolLM2-135M-Instruct).
+            kind: "eagle" or "medusa".
+            num_heads: Medusa heads (draft depth); ignored by EAGLE.
+            num_layers: Medusa residual blocks per head / EAGLE decoder layers.
+            loss: weights of the loss terms (see selfspec.train.losses).
+            optim: optimizer and schedule.
+            init_from: a heads checkpoint directory to continue from (same base required).
+        """
+        super().__init__()
+        self.target_spec = target or TargetSpec()
+        loaded = load_target(self.target_spec)
+        self.tokenizer = loaded.tokenizer
+        self.target = TargetForward(loaded.model)
+        self.base: BaseFingerprint = fingerprint_of(loaded.model)
+        self.kind = HeadKind(kind)
+        self.loss_weights = loss or LossWeights()
+        self.optim = optim or OptimConfig()
+        if init_from is not None:
+            self.heads = load_heads(init_from, loaded.model, dtype=torch.float32)
+            self.heads.train().requires_grad_(True)
+            if self.heads.config.kind is not self.kind:
+                raise ValueError(
+                    f"init_from {init_from} holds {self.heads.config.kind.value} heads, "
+                    f"not {self.kind.value}"
+                )
+        else:
+            try:
+                config = heads_config_for(
+                    loaded.model, self.kind, num_heads=num_heads, num_layers=num_layers
+                )
+            except ValueError as error:
+                raise ValueError(
+                    f"heads config does not fit the target {loaded.name}: {error}"
+                ) from error
+            self.heads = build_heads(config)
+
+    def setup(self, stage: str) -> None:
+        self.target.model.to(self.device)  # not a child module, so Lightning does not move it
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The target's features f_0 .. f_{L-2} of each row. # [B, L-1, H]"""
+        if "features" in batch:
+            return batch["features"].to(self.target.dtype)
+        with torch.no_grad():
+            ids = batch["input_ids"][:, :-1]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            return self.target.body(input_ids=ids, position_ids=positions).last_hidden_state
+
+    def _loss(self, batch: dict[str, torch.Tensor]):
+        features = self._features(batch)  # [B, L-1, H]
+        mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])
+        lm_head = self.target.lm_head
+        if self.kind is HeadKind.MEDUSA:
+            return medusa_loss(self.heads, lm_head, features, mask, self.loss_weights)
+        return eagle_loss(
+            self.heads,
+            self.target.embed,
+            lm_head,
+            batch["input_ids"],
+            features,
+            mask,
+            self.loss_weights,
+        )
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self._loss(batch)
+        self.log("train/loss", out.loss, prog_bar=True, sync_dist=True)
+        self.log_dict({f"train/{k}": v for k, v in out.parts.items()}, sync_dist=True)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self._loss(batch)
+        self.log("val/loss", out.loss, prog_bar=True, sync_dist=True)
+        self.log_dict({f"val/{k}": v for k, v in out.parts.items()}, sync_dist=True, prog_bar=False)
+
+    # -- optimisation ----------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = torch.optim.AdamW(
+            self.heads.parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup, floor = self.optim.warmup_steps, self.optim.min_lr_ratio
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints: heads only -------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The state dict already holds only heads.* (the target is no child); say so for readers.
+        checkpoint["selfspec"] = {
+            "kind": self.kind.value,
+            "base": self.base.to_dict(),
+            "heads": self.heads.config.to_dict(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("selfspec", {})
+        if saved.get("base") not in (None, self.base.to_dict()):
+            raise ValueError(
+                f"checkpoint was trained on base {saved['base']}, not this target "
+                f"({self.base.describe()})"
+            )
+
+    def export(self, path: str | Path, extra: dict[str, Any]) -> Path:
+        """Write the heads in the core checkpoint format (``save_heads``)."""
+        from selfspec.heads import save_heads
+
+        return save_heads(self.heads, path, self.base, extra=extra)
