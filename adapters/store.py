@@ -328,8 +328,11 @@ class AdapterStore:
         from peft import LoraConfig, PeftModel
         from peft.utils import set_peft_model_state_dict
 
-        # inference_mode freezes the branch; dropout is an identity at inference anyway.
-        config = LoraConfig(**{**info.config, "inference_mode": True, "lora_dropout": 0.0})
+        # inference_mode freezes the branch; dropout is an identity at inference anyway; no
+        # initialisation is run (the weights come from the file, and validation refused any
+        # initialisation that would touch the base).
+        overrides = {"inference_mode": True, "lora_dropout": 0.0, "init_lora_weights": False}
+        config = LoraConfig(**{**info.config, **overrides})
         created = False
         with torch.inference_mode(False), torch.no_grad():
             try:

@@ -11,7 +11,8 @@ accepted is *plain* LoRA on linear layers of the decoder:
   its zero init);
 - no variant that changes weights outside the LoRA delta or needs another forward: DoRA,
   LoRA bias / `bias != "none"`, `modules_to_save`, trainable tokens, layer replication,
-  parameter targeting, aLoRA, QALoRA.
+  parameter targeting, aLoRA, QALoRA, and initialisations that rewrite the base (PiSSA, OLoRA,
+  LoftQ, ...: `init_lora_weights` other than true / false / "gaussian").
 
 Adapters on the token embedding or the lm_head are refused. Why: the draft heads run through the
 target's own embedding and lm_head, so an adapted lm_head would change what the heads propose
@@ -294,6 +295,13 @@ def _plain_lora_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any],
     for key, what in _SET_REFUSED.items():
         if raw.get(key) not in (None, False, [], {}, ""):
             raise InvalidAdapter(f"{where} uses {what}; only plain LoRA adapters are supported")
+    init = raw.get("init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        raise InvalidAdapter(
+            f"{where} was initialised with init_lora_weights={init!r}, which rewrites the base "
+            "weights (PiSSA, OLoRA, LoftQ, ...) so it is not a delta on this base; convert it to "
+            "plain LoRA first (peft save_pretrained(path_initial_model_for_weight_conversion=...))"
+        )
     if raw.get("bias", "none") != "none":
         raise InvalidAdapter(
             f"{where} trains biases of the base (bias={raw.get('bias')!r}); only bias='none' keeps "

@@ -176,7 +176,10 @@ class SpeculativeGenerator:
         """prompt: # [S] -> state with the first token chosen and the cache filled."""
         device = self.target.device
         generator = torch.Generator(device=device)
-        generator.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+        if config.seed is None:
+            generator.seed()  # fresh entropy for this generator only; the global RNG is untouched
+        else:
+            generator.manual_seed(config.seed)
         cache = self.target.new_cache()
         positions = torch.arange(prompt.shape[0], device=device)[None]
         features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]

@@ -21,7 +21,9 @@ class DraftSampling(str, Enum):
     """The k most likely tokens, deterministically (EAGLE-2). Verified as point-mass proposals."""
     WITHOUT_REPLACEMENT = "without_replacement"
     """k tokens sampled from the draft without replacement (Gumbel top-k), as in Recursive
-    Speculative Decoding. Better acceptance when sampling at high temperature."""
+    Speculative Decoding. Better acceptance when sampling at high temperature. A dynamic tree
+    that prunes sampled children keeps them for their values, so it falls back to the
+    point-mass rule (still exact, accepts less often)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class DynamicTree:
 
 TreeSpec = StaticTree | DynamicTree
 
-# A compact default for Medusa-style static trees (depth 4, 26 drafted nodes): wide near the
+# A compact default for Medusa-style static trees (depth 4, 31 drafted nodes): wide near the
 # root, where acceptance is likeliest, narrow below.
 DEFAULT_STATIC_TREE = StaticTree(
     paths=(

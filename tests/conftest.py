@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from tiny_models import make_tiny_model
 from transformers import PreTrainedModel
+
+# Tiny models gain nothing from a second thread, and on a shared 2-core machine oversubscribed
+# threads make every forward many times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -119,7 +119,8 @@ def grow_dynamic(
     # Keep the best `budget` drafted nodes. A child never outscores its parent (log-probs <= 0)
     # and ties keep creation order, so every kept node's parent is kept too.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
-    return _finish(tree, [0, *sorted(ranked[: spec.budget])], plan)
+    keep = [0, *sorted(ranked[: spec.budget])]
+    return _finish(tree, keep, plan, pruned=len(keep) < tree.size)
 
 
 def grow_static(
@@ -143,7 +144,7 @@ def grow_static(
         row_of = {parent: i for i, parent in enumerate(parents)}
         for prefix in layer:  # sorted by (parent prefix, rank): siblings in draw order
             row, rank = row_of[prefix[:-1]], prefix[-1]
-            if tokens[row][rank] >= 0:
+            if rank < len(tokens[row]) and tokens[row][rank] >= 0:  # ranks beyond vocab: no node
                 node_of[prefix] = tree.add(
                     node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
                 )
@@ -158,8 +159,13 @@ def grow_tree(
     return grow_dynamic(root_token, expand, plan.tree, plan, generator)
 
 
-def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan) -> Tree:
-    """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents."""
+def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan, pruned: bool = False) -> Tree:
+    """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents.
+
+    A sampled child that survived pruning was kept *because of its value*, so it is no longer
+    a draw from the without-replacement proposal; such trees are verified with the point-mass
+    rule, which is exact for any candidates chosen without the target's randomness.
+    """
     new_index = {old: new for new, old in enumerate(keep)}
     device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")
     vocab = tree.prob_rows[0].shape[-1] if tree.prob_rows else 0
@@ -167,7 +173,9 @@ def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan) -> Tree:
     draws = torch.full((max(len(tree.draw_rows), 1), width), -1, dtype=torch.long, device=device)
     for i, row in enumerate(tree.draw_rows):
         draws[i, : row.shape[0]] = row
-    sampled = plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy
+    sampled = (
+        plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy and not pruned
+    )
     # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
     probs = (
         torch.stack(tree.prob_rows)

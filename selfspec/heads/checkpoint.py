@@ -70,9 +70,15 @@ def _replace_dir(staging: Path, path: Path) -> None:
         os.rename(staging, path)
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-    os.rename(path, retired / "ckpt")
-    os.rename(staging, path)
-    shutil.rmtree(retired, ignore_errors=True)
+    try:
+        os.rename(path, retired / "ckpt")
+        try:
+            os.rename(staging, path)
+        except BaseException:
+            os.rename(retired / "ckpt", path)  # put the old checkpoint back
+            raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def read_heads_config(

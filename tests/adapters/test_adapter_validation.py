@@ -92,6 +92,11 @@ def _case_dir(tmp: Path, good: Path, case: str) -> Path:
         shutil.copytree(good, target)
         config = json.loads((target / "adapter_config.json").read_text())
         (target / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
+    elif case == "pissa":
+        shutil.copytree(good, target)
+        config = json.loads((target / "adapter_config.json").read_text())
+        config["init_lora_weights"] = "pissa"
+        (target / "adapter_config.json").write_text(json.dumps(config))
     elif case == "bad_json":
         shutil.copytree(good, target)
         (target / "adapter_config.json").write_text("{not json")
@@ -115,6 +120,7 @@ REGISTER_CASES = {
     "dora": (InvalidAdapter, "DoRA"),
     "not_lora": (InvalidAdapter, "only peft LoRA"),
     "bad_json": (InvalidAdapter, "not valid JSON"),
+    "pissa": (InvalidAdapter, "rewrites the base"),
 }
 
 
