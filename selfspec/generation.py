@@ -96,6 +96,8 @@ class RequestState:
     draft_state: Any = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    streamed_chars: int = 0
+    """How much of ``text`` the stream has handed out."""
     finish_reason: FinishReason | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
 
@@ -297,19 +299,23 @@ class GenerationStream:
                 state.finish_reason = FinishReason.LENGTH
                 break
         state.token_ids.extend(kept)
-        previous_text = state.text
-        if self._owner.tokenizer is not None:
-            text = self._owner.tokenizer.decode(state.token_ids, skip_special_tokens=True)
-            cut = _first_stop(text, config.stop_strings, len(previous_text))
-            if cut is not None:
-                text = text[:cut]
-                state.finish_reason = FinishReason.STOP
-            elif state.finish_reason is None and text.endswith("\ufffd"):
-                text = previous_text  # hold back an incomplete multi-byte character
-            state.text = text
-        delta = (
-            state.text[len(previous_text) :] if state.text.startswith(previous_text) else state.text
-        )
+        if self._owner.tokenizer is None:
+            return StepOutput(token_ids=kept, text="")
+        text = self._owner.tokenizer.decode(state.token_ids, skip_special_tokens=True)
+        cut = _first_stop(text, config.stop_strings, len(state.text))
+        if cut is not None:
+            text = text[:cut]
+            state.finish_reason = FinishReason.STOP
+        state.text = text
+        visible = len(text)
+        if state.finish_reason is None:
+            # Hold back what may still change: an incomplete multi-byte character, and a tail
+            # that could be the start of a stop string (it must never reach the client).
+            visible = len(text.rstrip("\ufffd"))
+            if config.stop_strings:
+                visible = min(visible, len(text) - max(map(len, config.stop_strings)) + 1)
+        delta = text[state.streamed_chars : max(visible, state.streamed_chars)]
+        state.streamed_chars += len(delta)
         return StepOutput(token_ids=kept, text=delta)
 
 
