@@ -21,6 +21,12 @@ from selfspec.cli_args import parse_dataclass
 from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec eval"
+DESCRIPTION = (
+    "For the base and every adapter: tau, acceptance per depth, tokens/s with and without "
+    "speculation (side by side), greedy equality with vanilla decoding. Writes robustness.json, "
+    "robustness.md and robustness.png into --out. Exit 0 when every adapter keeps "
+    "tau / tau_base >= --min-ratio and every output is lossless, 1 otherwise, 2 on bad input."
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class EvalArgs:
 
 
 def eval_main(argv: Sequence[str]) -> int:
-    args = parse_dataclass(EvalArgs, argv, description=__doc__, prog=PROG)
+    args = parse_dataclass(EvalArgs, argv, description=DESCRIPTION, prog=PROG)
     from selfspec.adapters.evaluate import run_evaluation
 
     try:

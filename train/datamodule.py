@@ -92,6 +92,15 @@ class DistilledDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
         )
 
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the responses of the training rows. # [vocab]"""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for ids, prompt_len in zip(
+            self.train_set["input_ids"], self.train_set["prompt_len"], strict=True
+        ):
+            np.add.at(counts, np.asarray(ids[int(prompt_len) :], dtype=np.int64), 1)
+        return torch.from_numpy(counts)
+
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         lengths = [min(len(r["input_ids"]), self.max_length) for r in rows]
         width = max(lengths)

@@ -71,6 +71,8 @@ class ExportHeads(L.Callback):
             "tokens_seen_this_run_rank0": int(self._tokens),
             "world_size": trainer.world_size,
             "loss_weights": vars(module.loss_weights),
+            "loss_vocab_size": module.loss_vocab_size,
+            "loss_vocab_coverage": round(module.loss_vocab_coverage, 5),
             "optim": vars(module.optim),
             "metrics": metrics,
             "machine": {

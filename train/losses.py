@@ -13,15 +13,25 @@ there); the prompt is context.
   Loss = ``feature_weight`` * smooth-L1(predicted, f_{j+1}) + ``token_weight`` * KL of
   lm_head(predicted) from ``target_probs`` at j+1. Weights 1.0 / 0.1 as in EAGLE: the
   regression carries the signal, the token term aligns what matters for acceptance.
+
+``lm_head`` may be restricted to a loss vocabulary (the most frequent tokens of the training data,
+as EAGLE-3 does for its draft vocabulary): both distributions are then renormalised over it, which
+on a CPU cuts the dominant cost (the vocabulary projections) several times over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from selfspec.heads.eagle import EagleCache, EagleHead
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+"""The target's lm_head, or its rows of the loss vocabulary: # [..., H] -> [..., vocab]"""
 
 
 @dataclass(frozen=True)
@@ -32,8 +42,8 @@ class LossWeights:
     """EAGLE: smooth-L1 regression of the next feature."""
     token_weight: float = 0.1
     """EAGLE: cross-entropy against the target's next-token distribution."""
-    medusa_decay: float = 0.8
-    """Medusa: head k's loss is weighted by decay**k."""
+    depth_decay: float = 0.8
+    """Medusa head k's loss, and EAGLE's loss at simulated draft depth k+1, weigh decay**k."""
 
     def __post_init__(self) -> None:
         if (
@@ -45,8 +55,8 @@ class LossWeights:
                 f"EAGLE loss weights must be >= 0 and not both 0, got {self.feature_weight}, "
                 f"{self.token_weight}"
             )
-        if not 0 < self.medusa_decay <= 1:
-            raise ValueError(f"medusa_decay must be in (0, 1], got {self.medusa_decay}")
+        if not 0 < self.depth_decay <= 1:
+            raise ValueError(f"depth_decay must be in (0, 1], got {self.depth_decay}")
 
 
 @dataclass
@@ -83,7 +93,7 @@ def topk_hits(draft_logits: torch.Tensor, target_token: torch.Tensor, k: int) ->
 
 def medusa_loss(
     heads: nn.Module,
-    lm_head: nn.Module,
+    lm_head: Projection,
     features: torch.Tensor,  # [B, N, H] target features f_0 .. f_{N-1}
     mask: torch.Tensor,  # [B, N] bool, from response_positions
     weights: LossWeights,
@@ -104,7 +114,7 @@ def medusa_loss(
         drafted = heads(features[b_idx[rows], t_idx[rows]])[:, k]  # [M_k, H]
         draft_logits = lm_head(drafted)  # [M_k, vocab]
         loss_k = soft_kl(draft_logits, target_logits[rows])
-        weight = weights.medusa_decay**k
+        weight = weights.depth_decay**k
         total = total + weight * loss_k
         norm += weight
         parts[f"loss_head{k}"] = loss_k.detach()
@@ -113,37 +123,83 @@ def medusa_loss(
     return LossOutput(loss=total / max(norm, 1e-9), parts=parts)
 
 
-def eagle_loss(
-    head: nn.Module,
+def eagle_unroll(
+    head: EagleHead,
     embed: nn.Module,
-    lm_head: nn.Module,
+    input_ids: torch.Tensor,  # [B, L]
+    features: torch.Tensor,  # [B, L-1, H] target features f_0 .. f_{L-2}
+    depth: int,
+) -> list[torch.Tensor]:
+    """The head's outputs at ``depth`` simulated draft steps (EAGLE-3's "training-time test").
+
+    Step 1, index j: (embed(x_{j+1}), f_j) at position j+1, attending to step-1 entries 0..j:
+    the head reading the target's own features. Step s, index j: (embed(x_{j+s}), the step s-1
+    output at j) at position j+s, attending to step-1 entries 0..j and to its own chain at j (one
+    entry per earlier step): what a depth-s draft node sees at inference, with the token
+    teacher-forced. Step s's output at j should be f_{j+s}. Each # [B, W, H] with W = L-2.
+    """
+    batch, width = input_ids.shape[0], features.shape[1] - 1
+    cache = EagleCache()
+    ids = F.pad(input_ids, (0, depth))  # [B, L + depth], zeros past the end
+    arange = torch.arange(width, device=input_ids.device)
+    previous = features[:, :width]  # inputs of step 1: f_0 .. f_{L-3}
+    outputs = []
+    for step in range(1, depth + 1):
+        with torch.no_grad():
+            token_embeds = embed(ids[:, step : step + width])  # [B, W, H] x_{j+step}
+        positions = (arange + step).expand(batch, -1)  # [B, W]
+        attend = _unrolled_attend(width, step, input_ids.device)
+        previous = head(token_embeds, previous, positions, attend, cache)  # [B, W, H]
+        outputs.append(previous)
+    return outputs
+
+
+def _unrolled_attend(width: int, step: int, device: torch.device) -> torch.Tensor:
+    """Step ``step`` over a cache of ``step - 1`` earlier steps plus its own entries.
+    # [1, 1, W, step * W] bool: causal over step 1, the diagonal of every later step."""
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(width, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * (step - 1), dim=-1)[None, None]
+
+
+def eagle_loss(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head: Projection,
     input_ids: torch.Tensor,  # [B, L]
     features: torch.Tensor,  # [B, L-1, H] target features f_0 .. f_{L-2}
     mask: torch.Tensor,  # [B, L-1] bool, from response_positions
     weights: LossWeights,
-    input_features: torch.Tensor | None = None,  # [B, L-1, H] what the head reads; None: features
+    depth: int = 1,
 ) -> LossOutput:
-    """Pairs j = 0 .. L-3: (embed(x_{j+1}), f_j) at position j+1 -> f_{j+1}."""
-    pairs = features.shape[1] - 1
-    source = features if input_features is None else input_features
-    positions = torch.arange(1, pairs + 1, device=input_ids.device).expand(input_ids.shape[0], -1)
-    with torch.no_grad():
-        token_embeds = embed(input_ids[:, 1 : pairs + 1])  # [B, L-2, H]
-    predicted = head(token_embeds, source[:, :pairs], positions)  # [B, L-2, H] ~ f_1 .. f_{L-2}
-    selected = mask[:, 1:]  # output j is compared with f_{j+1}
-    drafted = predicted[selected]  # [M, H]
-    wanted = features[:, 1:][selected]  # [M, H]
-    feature_loss = F.smooth_l1_loss(drafted.float(), wanted.float())
-    with torch.no_grad():
-        target_logits = lm_head(wanted)  # [M, vocab]
-        target_token = target_logits.argmax(-1)
-    draft_logits = lm_head(drafted)  # [M, vocab]
-    token_loss = soft_kl(draft_logits, target_logits)
-    loss = weights.feature_weight * feature_loss + weights.token_weight * token_loss
-    parts = {
-        "feature_loss": feature_loss.detach(),
-        "token_loss": token_loss.detach(),
-        "top1_head0": topk_hits(draft_logits.detach(), target_token, 1),
-        "top5_head0": topk_hits(draft_logits.detach(), target_token, 5),
-    }
-    return LossOutput(loss=loss, parts=parts)
+    """Feature regression + token KL at each simulated draft step (see `eagle_unroll`).
+
+    Step s weighs depth_decay**(s-1); gradients flow through the chain of steps, as in EAGLE-3.
+    """
+    width = features.shape[1] - 1
+    total = features.new_zeros(())
+    norm = 0.0
+    parts: dict[str, torch.Tensor] = {}
+    for step, predicted in enumerate(eagle_unroll(head, embed, input_ids, features, depth), 1):
+        valid = width + 1 - step  # outputs j < valid have a target f_{j+step}
+        selected = mask[:, step:]  # [B, valid] output j is compared with f_{j+step}
+        if valid < 1 or not selected.any():
+            break
+        drafted = predicted[:, :valid][selected]  # [M, H]
+        wanted = features[:, step:][selected]  # [M, H]
+        feature_loss = F.smooth_l1_loss(drafted.float(), wanted.float())
+        with torch.no_grad():
+            target_logits = lm_head(wanted)  # [M, vocab]
+            target_token = target_logits.argmax(-1)
+        draft_logits = lm_head(drafted)  # [M, vocab]
+        token_loss = soft_kl(draft_logits, target_logits)
+        weight = weights.depth_decay ** (step - 1)
+        term = weights.feature_weight * feature_loss + weights.token_weight * token_loss
+        total = total + weight * term
+        norm += weight
+        k = step - 1
+        parts[f"feature_loss_head{k}"] = feature_loss.detach()
+        parts[f"token_loss_head{k}"] = token_loss.detach()
+        parts[f"top1_head{k}"] = topk_hits(draft_logits.detach(), target_token, 1)
+        parts[f"top5_head{k}"] = topk_hits(draft_logits.detach(), target_token, 5)
+    return LossOutput(loss=total / max(norm, 1e-9), parts=parts)

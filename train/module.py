@@ -49,6 +49,8 @@ class HeadsModule(L.LightningModule):
         loss: LossWeights | None = None,
         optim: OptimConfig | None = None,
         init_from: str | None = None,
+        loss_vocab_size: int | None = None,
+        eagle_depth: int = 1,
     ) -> None:
         """
         Args:
@@ -59,6 +61,10 @@ class HeadsModule(L.LightningModule):
             loss: weights of the loss terms (see selfspec.train.losses).
             optim: optimizer and schedule.
             init_from: a heads checkpoint directory to continue from (same base required).
+            loss_vocab_size: compute the losses over this many most frequent response tokens of
+                the training data instead of the whole vocabulary (None: whole vocabulary).
+            eagle_depth: EAGLE draft depths simulated per training step (1: the EAGLE-1 loss;
+                more: EAGLE-3's training-time test, see selfspec.train.losses.eagle_loss).
         """
         super().__init__()
         self.target_spec = target or TargetSpec()
@@ -69,6 +75,15 @@ class HeadsModule(L.LightningModule):
         self.kind = HeadKind(kind)
         self.loss_weights = loss or LossWeights()
         self.optim = optim or OptimConfig()
+        if loss_vocab_size is not None and loss_vocab_size < 1:
+            raise ValueError(f"loss_vocab_size must be >= 1 or None, got {loss_vocab_size}")
+        self.loss_vocab_size = loss_vocab_size
+        if eagle_depth < 1:
+            raise ValueError(f"eagle_depth must be >= 1, got {eagle_depth}")
+        self.eagle_depth = eagle_depth
+        self.loss_vocab: torch.Tensor | None = None  # [V'] token ids, set in setup()
+        self.loss_vocab_coverage = 1.0
+        """Share of the training responses' tokens inside the loss vocabulary."""
         if init_from is not None:
             self.heads = load_heads(init_from, loaded.model, dtype=torch.float32)
             self.heads.train().requires_grad_(True)
@@ -90,6 +105,22 @@ class HeadsModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.target.model.to(self.device)  # not a child module, so Lightning does not move it
+        if self.loss_vocab_size is not None:
+            datamodule = self.trainer.datamodule
+            datamodule.setup(stage)
+            counts = datamodule.response_token_counts(self.target.vocab_size)  # [vocab]
+            top = counts.topk(min(self.loss_vocab_size, self.target.vocab_size))
+            self.loss_vocab = top.indices.sort().values.to(self.device)
+            self.loss_vocab_coverage = float(top.values.sum() / counts.sum().clamp(min=1))
+
+    def _projection(self):
+        """The lm_head, restricted to the loss vocabulary when there is one."""
+        lm_head = self.target.lm_head
+        if self.loss_vocab is None:
+            return lm_head
+        weight = lm_head.weight[self.loss_vocab]  # [V', H]
+        bias = None if lm_head.bias is None else lm_head.bias[self.loss_vocab]
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -105,7 +136,7 @@ class HeadsModule(L.LightningModule):
     def _loss(self, batch: dict[str, torch.Tensor]):
         features = self._features(batch)  # [B, L-1, H]
         mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])
-        lm_head = self.target.lm_head
+        lm_head = self._projection()
         if self.kind is HeadKind.MEDUSA:
             return medusa_loss(self.heads, lm_head, features, mask, self.loss_weights)
         return eagle_loss(
@@ -116,6 +147,7 @@ class HeadsModule(L.LightningModule):
             features,
             mask,
             self.loss_weights,
+            self.eagle_depth,
         )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

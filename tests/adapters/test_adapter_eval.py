@@ -72,3 +72,22 @@ def test_eval_bad_prompts_file_is_a_clear_error(setup, adapter_root, tmp_path, c
                  str(adapter_root), "--prompts", str(bad), "--out", str(tmp_path)])
     assert code == 2
     assert 'bad.jsonl:1: expected {"prompt": "..."}' in capsys.readouterr().err
+
+
+def test_adapter_carrying_its_own_heads_is_measured_with_them(
+    setup, adapter_root, tmp_path
+) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    target, _, _ = setup
+    root = tmp_path / "root"
+    shutil.copytree(adapter_root / "attn", root / "attn")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    own = build_heads(heads_config_for(model, "medusa", num_heads=2))
+    save_heads(own, root / "attn" / "heads", fingerprint_of(model))
+    assert _eval(setup, root, tmp_path / "out", "--no-plot") == 0
+    rows = json.loads((tmp_path / "out" / "robustness.json").read_text())["rows"]
+    assert [(row["name"], row["heads"]) for row in rows] == [("(base)", "base"), ("attn", "own")]
+    assert len(rows[1]["acceptance_by_depth"]) <= 2 and rows[1]["lossless"]

@@ -159,3 +159,16 @@ def test_one_store_per_base_model(base, adapter_root) -> None:
     store.load("attn")
     with pytest.raises(TypeError, match="one store per base model"):
         AdapterStore(base)
+
+
+def test_switching_between_resident_adapters_without_reloading(
+    base, adapter_root, references
+) -> None:
+    store = AdapterStore(base, root=adapter_root)
+    for name in store.names():
+        store.load(name)
+    generator = _generator(base)
+    for name in ["attn", "all.linear", "mlp_down", "attn", None, "mlp_down", None, "all.linear"]:
+        tokens = generator.generate(PROMPT, VANILLA, scope=store.scope(name)).token_ids
+        assert tokens == references[name], name
+    assert store.resident() == ("attn", "mlp_down", "all.linear")

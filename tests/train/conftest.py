@@ -7,12 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from selfspec.train.distill import DistillConfig, distill
 from tiny_models import make_tiny_model, make_tiny_tokenizer
 
 from selfspec.target import TargetSpec
-from selfspec.train.distill import DistillConfig, distill
 
 PROMPTS = [f"tell me about {word}" for word in ("cats", "rain", "tea", "maps", "code", "sun")] * 4
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread() -> None:
+    """Tiny models gain nothing from more threads, and the CPU is shared with other tests."""
+    torch.set_num_threads(1)
 
 
 def save_peaked_target(path: Path, seed: int) -> Path:

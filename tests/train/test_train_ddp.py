@@ -8,15 +8,17 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import pytest
 from safetensors.torch import load_file
+from selfspec.train.module import HeadsModule
 
 from selfspec.target import TargetSpec
-from selfspec.train.module import HeadsModule
 
 SCRIPT = """
 import sys
 from pathlib import Path
 import lightning as L
+import pytest
 from safetensors.torch import save_file
 from selfspec.target import TargetSpec
 from selfspec.train.datamodule import DistilledDataModule
@@ -34,14 +36,19 @@ save_file(state, str(Path(out) / f"rank{trainer.global_rank}.safetensors"))
 """
 
 
-def test_ddp_ranks_end_with_identical_heads(tiny_target: Path, distilled: Path,
-                                            tmp_path: Path) -> None:
+@pytest.mark.slow  # two processes each load a target and start gloo: over 60 s on 2 busy cores
+def test_ddp_ranks_end_with_identical_heads(
+    tiny_target: Path, distilled: Path, tmp_path: Path
+) -> None:
     script = tmp_path / "ddp_fit.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
     done = subprocess.run(
         [sys.executable, str(script), str(tiny_target), str(distilled), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1)]
@@ -50,7 +57,6 @@ def test_ddp_ranks_end_with_identical_heads(tiny_target: Path, distilled: Path,
     for name in ranks[0]:
         assert (ranks[0][name] == ranks[1][name]).all(), name
     assert any(not (ranks[0][n] == initial[n]).all() for n in initial), "the heads did not train"
-
 
 
 def initial_heads(target: Path) -> dict:

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROMPTS, write_prompts
-
-from selfspec.target import TargetSpec, load_target
 from selfspec.train.cli import distill_main
 from selfspec.train.distill import DistillConfig, distill
 from selfspec.train.memory import MemoryBudgetError
 from selfspec.train.prompts import OnBadLine, PromptsError, read_prompts
 from selfspec.train.shards import DistilledDataError, finished_key, load_distilled, shard_dir
+
+from selfspec.target import TargetSpec, load_target
 
 
 def test_distilled_rows_are_the_targets_greedy_answers(distilled: Path, tiny_target: Path) -> None:
@@ -41,8 +41,9 @@ def test_resume_skips_finished_shards(tiny_target: Path, tmp_path: Path) -> None
     loaded = load_target(TargetSpec(model=str(tiny_target)))
 
     def run(source: Path):
-        config = DistillConfig(prompts=str(source), output=str(out), max_new_tokens=6,
-                               batch_size=4, shard_size=8)
+        config = DistillConfig(
+            prompts=str(source), output=str(out), max_new_tokens=6, batch_size=4, shard_size=8
+        )
         return distill(config, loaded)
 
     first = run(subset)  # an interrupted run: shard 0 full, shard 1 partial
@@ -61,8 +62,14 @@ def test_sampling_is_seeded_per_shard(tiny_target: Path, tmp_path: Path) -> None
     loaded = load_target(TargetSpec(model=str(tiny_target)))
     rows = []
     for name in ("a", "b"):
-        config = DistillConfig(prompts=str(prompts), output=str(tmp_path / name), do_sample=True,
-                               max_new_tokens=8, batch_size=2, seed=3)
+        config = DistillConfig(
+            prompts=str(prompts),
+            output=str(tmp_path / name),
+            do_sample=True,
+            max_new_tokens=8,
+            batch_size=2,
+            seed=3,
+        )
         distill(config, loaded)
         rows.append(load_distilled(tmp_path / name)["input_ids"])
     assert rows[0] == rows[1]
@@ -83,8 +90,16 @@ def test_cli_reports_bad_lines_and_fails_by_default(
 ) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n{"text": "wrong key"}\n')
-    args = ["--prompts", str(path), "--output", str(tmp_path / "out"),
-            "--target.model", str(tiny_target), "--max_new_tokens", "4"]
+    args = [
+        "--prompts",
+        str(path),
+        "--output",
+        str(tmp_path / "out"),
+        "--target.model",
+        str(tiny_target),
+        "--max_new_tokens",
+        "4",
+    ]
     assert distill_main(args) == 2
     assert "p.jsonl:2:" in capsys.readouterr().err
     assert distill_main([*args, "--on_bad_line", "skip"]) == 0
@@ -120,8 +135,12 @@ def test_empty_inputs_are_clear_errors(tmp_path: Path) -> None:
 
 def test_oversized_settings_are_caught_before_generating(tiny_target: Path, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:2])
-    config = DistillConfig(prompts=str(prompts), output=str(tmp_path / "out"),
-                           target=TargetSpec(model=str(tiny_target)), batch_size=10**9)
+    config = DistillConfig(
+        prompts=str(prompts),
+        output=str(tmp_path / "out"),
+        target=TargetSpec(model=str(tiny_target)),
+        batch_size=10**9,
+    )
     with pytest.raises(MemoryBudgetError, match="batch_size=1000000000"):
         distill(config)
     assert not (tmp_path / "out").exists()

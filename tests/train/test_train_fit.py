@@ -8,20 +8,25 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-
-from selfspec.fingerprint import FingerprintMismatch
-from selfspec.heads import load_heads
-from selfspec.target import TargetSpec, load_target
 from selfspec.train.cli import train_main
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.shards import DistilledDataError
 
+from selfspec.fingerprint import FingerprintMismatch
+from selfspec.heads import load_heads
+from selfspec.target import TargetSpec, load_target
+
 
 def fit(module: HeadsModule, data: Path, steps: int, root: Path, **trainer: object) -> L.Trainer:
     trainer_obj = L.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, num_sanity_val_steps=0,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
         **trainer,  # type: ignore[arg-type]
     )
     datamodule = DistilledDataModule(str(data), batch_size=4, val_fraction=0.25)
@@ -38,19 +43,38 @@ def val_loss(module: HeadsModule, data: Path) -> float:
     return float(torch.stack(losses).mean())
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_short_fit_lowers_the_loss(kind: str, tiny_target: Path, distilled: Path,
-                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "eagle_depth"), [("eagle", 1), ("eagle", 3), ("medusa", 1)])
+def test_short_fit_lowers_the_loss(
+    kind: str, eagle_depth: int, tiny_target: Path, distilled: Path, tmp_path: Path
+) -> None:
     L.seed_everything(0)
-    module = HeadsModule(TargetSpec(model=str(tiny_target)), kind=kind, num_heads=3,
-                         optim=OptimConfig(lr=3e-3, warmup_steps=0))
+    module = HeadsModule(
+        TargetSpec(model=str(tiny_target)),
+        kind=kind,
+        num_heads=3,
+        eagle_depth=eagle_depth,
+        optim=OptimConfig(lr=3e-3, warmup_steps=0),
+    )
     before = val_loss(module, distilled)
     fit(module, distilled, steps=30, root=tmp_path, enable_checkpointing=False)
     assert val_loss(module, distilled) < 0.8 * before
 
 
-def test_only_head_parameters_train_and_checkpoint(tiny_target: Path, distilled: Path,
-                                                   tmp_path: Path) -> None:
+def test_loss_vocabulary_restricts_the_projection(
+    tiny_target: Path, distilled: Path, tmp_path: Path
+) -> None:
+    module = HeadsModule(
+        TargetSpec(model=str(tiny_target)), kind="medusa", num_heads=2, loss_vocab_size=10
+    )
+    fit(module, distilled, steps=2, root=tmp_path, enable_checkpointing=False)
+    assert module.loss_vocab is not None and module.loss_vocab.shape == (10,)
+    assert 0 < module.loss_vocab_coverage <= 1
+    assert module._projection()(torch.zeros(3, 32)).shape == (3, 10)
+
+
+def test_only_head_parameters_train_and_checkpoint(
+    tiny_target: Path, distilled: Path, tmp_path: Path
+) -> None:
     module = HeadsModule(TargetSpec(model=str(tiny_target)), kind="eagle")
     names = [n for n, _ in module.named_parameters()]
     assert names and all(n.startswith("heads.") for n in names)
@@ -60,16 +84,26 @@ def test_only_head_parameters_train_and_checkpoint(tiny_target: Path, distilled:
     assert set(checkpoint["state_dict"]) == {f"heads.{k}" for k in module.heads.state_dict()}
 
 
-def test_resume_continues_the_step_count(tiny_target: Path, distilled: Path, tmp_path: Path) -> None:
+def test_resume_continues_the_step_count(
+    tiny_target: Path, distilled: Path, tmp_path: Path
+) -> None:
     spec = TargetSpec(model=str(tiny_target))
-    callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True,
-                                                   every_n_train_steps=3)
-    first = fit(HeadsModule(spec, kind="medusa", num_heads=2), distilled, 3, tmp_path,
-                callbacks=[callback])
+    callback = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=3
+    )
+    first = fit(
+        HeadsModule(spec, kind="medusa", num_heads=2), distilled, 3, tmp_path, callbacks=[callback]
+    )
     assert first.global_step == 3
     resumed = HeadsModule(spec, kind="medusa", num_heads=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False,
-                        default_root_dir=tmp_path, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+    )
     datamodule = DistilledDataModule(str(distilled), batch_size=4, val_fraction=0.25)
     trainer.fit(resumed, datamodule=datamodule, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert trainer.global_step == 5
@@ -82,13 +116,32 @@ def test_cli_exports_heads_that_load_on_their_base_only(
     prompts = tmp_path / "heldout.jsonl"
     prompts.write_text('{"prompt": "tell me about owls"}\n')
     args = [
-        "--model.target.model", str(tiny_target), "--model.kind", "eagle",
-        "--data.train_data", str(distilled), "--data.batch_size", "4",
-        "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-        "--trainer.default_root_dir", str(tmp_path / "run"),
-        "--export.output_dir", str(out), "--export.tau_prompts", str(prompts),
-        "--export.tau_num_prompts", "1", "--export.tau_max_new_tokens", "6",
+        "--model.target.model",
+        str(tiny_target),
+        "--model.kind",
+        "eagle",
+        "--data.train_data",
+        str(distilled),
+        "--data.batch_size",
+        "4",
+        "--trainer.max_steps",
+        "3",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        "--export.output_dir",
+        str(out),
+        "--export.tau_prompts",
+        str(prompts),
+        "--export.tau_num_prompts",
+        "1",
+        "--export.tau_max_new_tokens",
+        "6",
     ]
     assert train_main(args) == 0
     metrics = json.loads((out / "metrics.json").read_text())
@@ -101,8 +154,9 @@ def test_cli_exports_heads_that_load_on_their_base_only(
         load_heads(out, load_target(TargetSpec(model=str(other_target))).model)
 
 
-def test_bad_configs_are_clear_errors(tiny_target: Path, other_target: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_configs_are_clear_errors(
+    tiny_target: Path, other_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ValueError, match="does not fit the target"):
         HeadsModule(TargetSpec(model=str(tiny_target)), kind="medusa", num_heads=0)
     other = HeadsModule(TargetSpec(model=str(other_target)), kind="eagle")
@@ -110,9 +164,18 @@ def test_bad_configs_are_clear_errors(tiny_target: Path, other_target: Path, tmp
     with pytest.raises(FingerprintMismatch):
         HeadsModule(TargetSpec(model=str(tiny_target)), init_from=str(tmp_path / "other-heads"))
     (tmp_path / "empty").mkdir()
-    args = ["--model.target.model", str(tiny_target), "--data.train_data",
-            str(tmp_path / "empty"), "--export.output_dir", str(tmp_path / "out"),
-            "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
+    args = [
+        "--model.target.model",
+        str(tiny_target),
+        "--data.train_data",
+        str(tmp_path / "empty"),
+        "--export.output_dir",
+        str(tmp_path / "out"),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.logger",
+        "false",
+    ]
     assert train_main(args) == 2
     assert "empty has no finished shard" in capsys.readouterr().err
     with pytest.raises(DistilledDataError):

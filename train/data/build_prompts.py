@@ -10,7 +10,6 @@ it is not measured on anything the heads saw during training.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -518,18 +517,21 @@ def write_jsonl(path: Path, prompts: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=HERE)
-    args = parser.parse_args(argv)
-    train, heldout = build(args.seed)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out_dir / TRAIN_FILE.name, train)
-    write_jsonl(args.out_dir / HELDOUT_FILE.name, heldout)
-    print(f"wrote {len(train)} train and {len(heldout)} held-out prompts to {args.out_dir}")
-    return 0
+def write_collection(seed: int = 0, out_dir: Path = HERE) -> None:
+    """Write prompts.jsonl and prompts_heldout.jsonl into ``out_dir``.
+
+    Args:
+        seed: seed of the sampling and the shuffle.
+        out_dir: directory to write the two files to.
+    """
+    train, heldout = build(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / TRAIN_FILE.name, train)
+    write_jsonl(out_dir / HELDOUT_FILE.name, heldout)
+    print(f"wrote {len(train)} train and {len(heldout)} held-out prompts to {out_dir}")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jsonargparse import CLI
+
+    CLI(write_collection)
