@@ -105,7 +105,6 @@ def adapters_main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", default=None, help="target the adapters are checked against")
     args = parser.parse_args(list(argv))
     from selfspec.adapters.select import store_for
-
     from selfspec.target import TargetLoadError, TargetSpec, load_target
 
     try:

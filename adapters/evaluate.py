@@ -18,7 +18,6 @@ from selfspec.adapters.robustness import (
 )
 from selfspec.adapters.select import store_for
 from selfspec.adapters.validate import META_FILE
-
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.shipped import shipped_heads_dir

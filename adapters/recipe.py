@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
 from selfspec.adapters.recipe_data import (
     PERSONA_SYSTEM,
     ChatExample,
@@ -33,7 +34,6 @@ from selfspec.adapters.recipe_data import (
     shout,
 )
 from selfspec.adapters.validate import META_FILE, WEIGHTS_FILE
-
 from selfspec.fingerprint import fingerprint_of
 from selfspec.target import TargetSpec, load_target
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from selfspec.adapters.shipped import examples_root
 from selfspec.adapters.store import AdapterStore, StepScope
-from transformers import PreTrainedModel
 
 
 def store_for(

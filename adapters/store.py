@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from transformers import PreTrainedModel
+
 from selfspec.adapters.errors import (
     AdapterError,
     AdapterPathError,
@@ -49,8 +51,6 @@ from selfspec.adapters.validate import (
     check_name,
     validate_adapter,
 )
-from transformers import PreTrainedModel
-
 from selfspec.fingerprint import fingerprint_of
 
 logger = logging.getLogger(__name__)

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
+from torch import nn
+
 from selfspec.adapters.errors import (
     AdapterPathError,
     CorruptAdapter,
@@ -43,8 +45,6 @@ from selfspec.adapters.errors import (
     RankTooHigh,
     UnsafeAdapterName,
 )
-from torch import nn
-
 from selfspec.fingerprint import BaseFingerprint, FingerprintMismatch, check_compatible
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -141,7 +141,7 @@ class AdapterInfo:
     nbytes: int
     """Bytes its weights take once resident, in the base dtype."""
     weights_size: int
-    """Size of the weights file in bytes (with `weights_mtime`, tells a changed file)."""
+    """Size of the weights file in bytes when validated (`load` validates again anyway)."""
     weights_mtime_ns: int
     ignored_fields: tuple[str, ...] = ()
     """Config keys unknown to this peft whose value was empty, dropped."""
@@ -175,10 +175,13 @@ def check_name(name: object) -> str:
 
 
 def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
-    """Resolved directory of an adapter; with `root`, it must lie strictly inside the root."""
+    """Resolved directory of an adapter; with `root`, it must lie strictly inside the root and
+    the path may not contain `..` (an operator-given path without a root is taken as is)."""
     given = Path(path).expanduser()
-    if ".." in given.parts:
-        raise AdapterPathError(f"adapter path {str(path)!r} contains '..'; give a plain path")
+    if root is not None and ".." in given.parts:
+        raise AdapterPathError(
+            f"adapter path {str(path)!r} contains '..'; give a plain path inside the root"
+        )
     if root is not None:
         real_root = root.resolve()
         resolved = (given if given.is_absolute() else real_root / given).resolve()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
+from selfspec import GenerationConfig, SpeculativeGenerator, apply_chat_template
 from selfspec.adapters.shipped import EXAMPLES_DIR, examples_root
 from selfspec.adapters.store import AdapterStore
 from selfspec.adapters.validate import WEIGHTS_FILE
-
-from selfspec import GenerationConfig, SpeculativeGenerator, apply_chat_template
 
 EXAMPLES = ("code", "docs", "persona", "shout")
 pytestmark = pytest.mark.real_model

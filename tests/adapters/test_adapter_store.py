@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from lora_helpers import reference_under
-from selfspec.adapters.errors import StoreFull, UnknownAdapter
-from selfspec.adapters.store import AdapterStore, StoreConfig
 
 from selfspec import GenerationConfig, SpeculativeGenerator, build_heads, heads_config_for
+from selfspec.adapters.errors import StoreFull, UnknownAdapter
+from selfspec.adapters.store import AdapterStore, StoreConfig
 
 PROMPT = [5, 17, 33, 8, 60, 2, 44]
 NEW = 16

@@ -12,6 +12,9 @@ import pytest
 import torch
 from lora_helpers import make_adapter
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
+
+from selfspec import GenerationConfig, SpeculativeGenerator
 from selfspec.adapters.errors import (
     AdapterError,
     AdapterPathError,
@@ -25,9 +28,6 @@ from selfspec.adapters.errors import (
 )
 from selfspec.adapters.store import AdapterStore, StoreConfig
 from selfspec.adapters.validate import META_FILE, WEIGHTS_FILE, AdapterLimits
-from tiny_models import make_tiny_model
-
-from selfspec import GenerationConfig, SpeculativeGenerator
 from selfspec.fingerprint import fingerprint_of
 
 PROMPT = [5, 17, 33, 8, 60]

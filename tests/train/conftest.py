@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from selfspec.train.distill import DistillConfig, distill
 from tiny_models import make_tiny_model, make_tiny_tokenizer
 
 from selfspec.target import TargetSpec
+from selfspec.train.distill import DistillConfig, distill
 
 PROMPTS = [f"tell me about {word}" for word in ("cats", "rain", "tea", "maps", "code", "sun")] * 4
 

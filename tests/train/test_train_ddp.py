@@ -10,9 +10,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 from safetensors.torch import load_file
-from selfspec.train.module import HeadsModule
 
 from selfspec.target import TargetSpec
+from selfspec.train.module import HeadsModule
 
 SCRIPT = """
 import sys

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROMPTS, write_prompts
+
+from selfspec.target import TargetSpec, load_target
 from selfspec.train.cli import distill_main
 from selfspec.train.distill import DistillConfig, distill
 from selfspec.train.memory import MemoryBudgetError
 from selfspec.train.prompts import OnBadLine, PromptsError, read_prompts
 from selfspec.train.shards import DistilledDataError, finished_key, load_distilled, shard_dir
-
-from selfspec.target import TargetSpec, load_target
 
 
 def test_distilled_rows_are_the_targets_greedy_answers(distilled: Path, tiny_target: Path) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from selfspec.train.cli import train_main
-from selfspec.train.datamodule import DistilledDataModule
-from selfspec.train.module import HeadsModule, OptimConfig
-from selfspec.train.shards import DistilledDataError
 
 from selfspec.fingerprint import FingerprintMismatch
 from selfspec.heads import load_heads
 from selfspec.target import TargetSpec, load_target
+from selfspec.train.cli import train_main
+from selfspec.train.datamodule import DistilledDataModule
+from selfspec.train.module import HeadsModule, OptimConfig
+from selfspec.train.shards import DistilledDataError
 
 
 def fit(module: HeadsModule, data: Path, steps: int, root: Path, **trainer: object) -> L.Trainer:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from selfspec.train.losses import eagle_unroll, response_positions
 from torch import nn
 
 from selfspec.heads import EagleCache, EagleHead, HeadsConfig
+from selfspec.train.losses import eagle_unroll, response_positions
 
 
 def test_unrolled_steps_equal_incremental_chain_drafting() -> None:
