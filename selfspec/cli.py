@@ -19,6 +19,12 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "self-distil responses from the target",
     ),
     "train": ("selfspec.train.cli", "train_main", "train", "train draft heads with Lightning"),
+    "recalibrate": (
+        "selfspec.train.cli",
+        "recalibrate_main",
+        "train",
+        "fine-tune heads for one adapter, save them beside it, tau before/after",
+    ),
     "eval": (
         "selfspec.adapters.cli",
         "eval_main",
@@ -30,6 +36,12 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "adapters_main",
         "adapters",
         "list the adapters of a root, valid or rejected (with why)",
+    ),
+    "serve": (
+        "selfspec.serve.cli",
+        "main",
+        "serve",
+        "OpenAI-compatible server: the base model and its LoRA adapters, speculating",
     ),
 }
 

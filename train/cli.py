@@ -17,11 +17,10 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 def distill_main(argv: list[str] | None = None) -> int:
+    from selfspec.target import TargetLoadError
     from selfspec.train.distill import DistillConfig, distill
     from selfspec.train.memory import MemoryBudgetError
     from selfspec.train.prompts import PromptsError
-
-    from selfspec.target import TargetLoadError
 
     parser = ArgumentParser(prog="selfspec distill", description=distill.__doc__)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
@@ -48,3 +47,10 @@ def train_main(argv: list[str] | None = None) -> int:
     from selfspec.train.lightning_cli import run_train
 
     return run_train(argv)
+
+
+def recalibrate_main(argv: list[str] | None = None) -> int:
+    """``selfspec recalibrate``: heads fine-tuned for one adapter (selfspec.train.recalibrate)."""
+    from selfspec.train.recalibrate import main
+
+    return main(argv)

@@ -13,8 +13,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from selfspec.train.shards import DistilledDataError, load_distilled
 from torch.utils.data import DataLoader
+
+from selfspec.train.shards import DistilledDataError, load_distilled
 
 
 class DistilledDataModule(L.LightningDataModule):

@@ -9,12 +9,17 @@ on the decoder body during generation, so training never runs the target again.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+
+from selfspec.fingerprint import fingerprint_of
+from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 from selfspec.train.memory import check_fits
 from selfspec.train.prompts import BadLine, OnBadLine, PromptsError, read_prompts
 from selfspec.train.shards import (
@@ -25,10 +30,6 @@ from selfspec.train.shards import (
     write_json,
     write_shard,
 )
-from tqdm import tqdm
-
-from selfspec.fingerprint import fingerprint_of
-from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
     for stale in sorted(out.glob("shard-*")):
         if int(stale.name.split("-")[1]) >= len(shards):
             logger.warning("removing %s: not part of this run's %d shards", stale, len(shards))
-            _remove(stale)
+            shutil.rmtree(stale, ignore_errors=True)
     report = DistillReport(
         rows=len(encoded),
         generated_tokens=tokens,
@@ -299,9 +300,3 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     if not ids:
         raise ValueError("the target has no EOS token id; distillation needs one to end responses")
     return tuple(dict.fromkeys(ids))
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+
 from selfspec.train.module import HeadsModule
 from selfspec.train.prompts import OnBadLine, read_prompts
 from selfspec.train.shards import write_json

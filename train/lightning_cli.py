@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 
 from lightning.pytorch.cli import LightningCLI
+
+from selfspec.target import TargetLoadError
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.export import ExportHeads
 from selfspec.train.memory import MemoryBudgetError
 from selfspec.train.module import HeadsModule
 from selfspec.train.shards import DistilledDataError
-
-from selfspec.target import TargetLoadError
 
 
 class TrainCLI(LightningCLI):

@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
 
 from selfspec.fingerprint import BaseFingerprint, fingerprint_of
 from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
+from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def test_ddp_ranks_end_with_identical_heads(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1)]

@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP API over one engine: completions, chat, models, health, metrics.
+
+FastAPI on uvicorn: the standard Python ASGI stack (what vLLM's and SGLang's OpenAI servers
+use), so SSE streaming, client-disconnect detection and graceful shutdown come from well-tested
+code, and the app can be driven in-process or over real sockets the same way. The model never
+runs on the event loop: the engine's worker thread owns it, and the loop only parses, admits and
+relays events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from selfspec.adapters.errors import AdapterError
+from selfspec.adapters.store import AdapterStore
+from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
+from selfspec.sampling import SamplingParams
+from selfspec.serve.engine import Engine, Event, RequestHandle
+from selfspec.serve.errors import APIError, bad_request, not_found
+from selfspec.serve.metrics import ServerMetrics
+from selfspec.serve.protocol import ParsedRequest, parse_request
+from selfspec.target import apply_chat_template
+
+DISCONNECT_POLL_S = 0.25
+"""How often a request with no new tokens checks whether its client is still there."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class ServerState:
+    """What the app serves: one generator on the base model, its adapter store, the engine."""
+
+    generator: SpeculativeGenerator
+    tokenizer: Any
+    model_name: str
+    """The base model's name: `model` equal to it selects no adapter."""
+    store: AdapterStore | None = None
+    max_running: int = 16
+    max_queue: int = 64
+    drain_timeout: float = 30.0
+    enable_lora_management: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    engine: Engine = field(init=False)
+    served: set[str] = field(init=False)
+    """Adapters requests may name: the store's at start, plus runtime loads, minus unloads."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.engine = Engine(self.store, self.metrics, self.max_running, self.max_queue)
+        self.served = set(self.store.names()) if self.store is not None else set()
+
+    @property
+    def can_speculate(self) -> bool:
+        return self.generator.drafter is not None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        await run_in_threadpool(state.engine.shutdown, state.drain_timeout)
+
+    app = FastAPI(title="selfspec", lifespan=lifespan)
+    app.state.selfspec = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        body = APIError(error.status_code, str(error.detail), type_=kind).body()
+        return JSONResponse(body, status_code=error.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        counts = state.engine.counts()
+        if not state.engine.serving:
+            body = APIError(503, "the engine is not serving", "service_unavailable").body()
+            return JSONResponse({**body, **counts}, status_code=503)
+        return JSONResponse({"status": "ok", **counts})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [_model_card(state.model_name, state.created, None, None)]
+        with state.lock:
+            names = sorted(state.served)
+        for name in names:
+            root = str(state.store.info(name).path)
+            data.append(_model_card(name, state.created, state.model_name, root))
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = parse_request(await _json_body(request), chat=False)
+        return await _serve(state, request, parsed, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        parsed = parse_request(await _json_body(request), chat=True)
+        return await _serve(state, request, parsed, chat=True)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        _check_management(state)
+        name, path = _str_field(body, "lora_name"), _str_field(body, "lora_path")
+        if state.store.root is None:
+            raise bad_request(
+                "runtime loading needs an adapters root (--adapters-root); adapters are only "
+                "loaded from inside it",
+                "lora_path",
+            )
+        with state.lock:
+            if name in state.served:
+                raise bad_request(f"adapter {name!r} is already loaded", "lora_name")
+        await run_in_threadpool(_load_adapter, state, name, path)
+        return JSONResponse({"status": "ok", "adapter": name, "parent": state.model_name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body = await _json_body(request)
+        _check_management(state)
+        name = _str_field(body, "lora_name")
+        with state.lock:
+            if name not in state.served:
+                raise not_found(f"adapter {name!r} is not loaded", "lora_name")
+        await run_in_threadpool(_unload_adapter, state, name)
+        return JSONResponse({"status": "ok", "adapter": name})
+
+    return app
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+async def _serve(
+    state: ServerState, request: Request, parsed: ParsedRequest, chat: bool
+) -> Response:
+    adapter = _adapter_for(state, parsed.model)
+    prompt_ids = _prompt_ids(state, parsed)
+    speculate = state.can_speculate if parsed.speculation is None else parsed.speculation
+    if speculate and not state.can_speculate:
+        raise bad_request(
+            "this server has no draft heads: speculation is unavailable", "speculation"
+        )
+    generator = state.generator
+    sampling = SamplingParams(
+        temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p
+    )
+    probe = GenerationConfig(max_new_tokens=1, sampling=sampling, speculate=speculate)
+    depth = generator.tree_for(probe).depth if speculate else 0
+    limit = generator.context_limit
+    max_tokens = parsed.max_tokens
+    field_name = "messages" if chat else "prompt"
+    if max_tokens is None:
+        if chat:
+            max_tokens = (limit - len(prompt_ids) - depth) if limit is not None else 256
+        else:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    else:
+        field_name = "max_tokens"
+    if limit is not None and (max_tokens < 1 or len(prompt_ids) + max_tokens + depth > limit):
+        spec_part = f" + {depth} (speculation tree depth)" if depth else ""
+        raise bad_request(
+            f"this model's maximum context length is {limit} tokens; the request needs "
+            f"{len(prompt_ids)} (prompt) + {max_tokens} (max_tokens){spec_part} = "
+            f"{len(prompt_ids) + max_tokens + depth}; shorten the prompt or lower max_tokens",
+            field_name,
+        )
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        sampling=sampling,
+        seed=parsed.seed,
+        stop_strings=parsed.stop,
+        stop_token_ids=() if parsed.ignore_eos else None,
+        speculate=speculate,
+    )
+    scope = state.store.scope(adapter) if state.store is not None else None
+    try:
+        stream = generator.stream(prompt_ids, config, scope)
+    except ValueError as error:
+        raise bad_request(str(error)) from error
+    label = adapter or state.model_name
+    handle = state.engine.submit(stream, adapter, label, speculate, asyncio.get_running_loop())
+    reply = _Reply(parsed, chat, len(prompt_ids), speculate, handle)
+    if parsed.stream:
+        return StreamingResponse(
+            reply.sse(request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    result = await reply.wait(request)
+    return JSONResponse(reply.full_body(result))
+
+
+class _Reply:
+    """Turns a request's engine events into an OpenAI response, whole or as SSE chunks."""
+
+    def __init__(
+        self,
+        parsed: ParsedRequest,
+        chat: bool,
+        prompt_tokens: int,
+        speculate: bool,
+        handle: RequestHandle,
+    ) -> None:
+        self.parsed = parsed
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens
+        self.speculate = speculate
+        self.handle = handle
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    async def _events(self, request: Request, poll: bool) -> AsyncIterator[Event]:
+        """The request's events; cancels it (and stops) when the client goes away.
+
+        `poll`: check the connection every `DISCONNECT_POLL_S` (a whole response). A streamed
+        response leaves that to Starlette, which stops the stream when a send fails or the client
+        disconnects; the finally below then cancels the request."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                event = await self.handle.next_event(DISCONNECT_POLL_S)
+                if poll and loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return  # the finally below cancels the request
+                if event is None:
+                    continue
+                yield event
+                if event.kind != "delta":
+                    return
+        finally:
+            # Also reached when the server stops streaming to a client that went away.
+            self.handle.cancel()
+
+    async def wait(self, request: Request) -> GenerationResult:
+        async for event in self._events(request, poll=True):
+            if event.kind == "done":
+                return event.result
+            if event.kind == "error":
+                raise event.error
+            if event.kind == "cancelled":
+                raise APIError(
+                    503, "the request was cancelled (server shutting down)", "service_unavailable"
+                )
+        raise APIError(499, "client disconnected", "client_closed_request")
+
+    async def sse(self, request: Request) -> AsyncIterator[str]:
+        if self.chat:
+            yield _sse(self._chunk({"role": "assistant", "content": ""}, None))
+        async for event in self._events(request, poll=False):
+            if event.kind == "delta" and event.output.text:
+                delta = {"content": event.output.text} if self.chat else event.output.text
+                yield _sse(self._chunk(delta, None))
+            elif event.kind == "done":
+                result = event.result
+                final = self._chunk({} if self.chat else "", result.finish_reason.value)
+                final["selfspec"] = self._stats(result)
+                yield _sse(final)
+                if self.parsed.include_usage:
+                    usage = self._base()
+                    usage.update(choices=[], usage=self._usage(result))
+                    yield _sse(usage)
+            elif event.kind in ("error", "cancelled"):
+                error = event.error or APIError(
+                    503, "the request was cancelled (server shutting down)", "service_unavailable"
+                )
+                yield _sse(error.body())
+        yield "data: [DONE]\n\n"
+
+    def _base(self) -> dict[str, Any]:
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": chunk_object,
+            "created": self.created,
+            "model": self.parsed.model,
+        }
+
+    def _chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice.update(delta=delta, logprobs=None, finish_reason=finish_reason)
+        else:
+            choice.update(text=delta, logprobs=None, finish_reason=finish_reason)
+        chunk = self._base()
+        chunk["choices"] = [choice]
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def full_body(self, result: GenerationResult) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice.update(text=result.text)
+        choice.update(logprobs=None, finish_reason=result.finish_reason.value)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.parsed.model,
+            "choices": [choice],
+            "usage": self._usage(result),
+            "selfspec": self._stats(result),
+        }
+
+    def _usage(self, result: GenerationResult) -> dict[str, int]:
+        completion = len(result.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def _stats(self, result: GenerationResult) -> dict[str, Any]:
+        """Per-request speculation stats. τ: tokens committed per decode-step target forward,
+        bonus included (1.0 without speculation)."""
+        stats = result.stats
+        steps = stats.steps
+        return {
+            "speculation": self.speculate,
+            "tau": round(stats.tau, 4),
+            "target_forwards": stats.target_forwards,
+            "draft_tokens": sum(s.tree_size - 1 for s in steps),
+            "accepted_tokens": sum(s.accepted for s in steps),
+            "acceptance_by_depth": [round(r, 4) for r in stats.acceptance_by_depth()],
+            "queue_seconds": round(self.handle.queue_seconds, 4),
+            "prefill_seconds": round(stats.prefill_seconds, 4),
+            "decode_seconds": round(stats.decode_seconds, 4),
+        }
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from error
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _model_card(name: str, created: int, parent: str | None, root: str | None) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "selfspec",
+        "root": root or name,
+        "parent": parent,
+    }
+
+
+def _adapter_for(state: ServerState, model: str) -> str | None:
+    if model == state.model_name:
+        return None
+    with state.lock:
+        if model in state.served:
+            return model
+        served = sorted(state.served)
+    raise not_found(
+        f"the model {model!r} does not exist: it is neither the base model "
+        f"{state.model_name!r} nor a served adapter ({', '.join(served) or 'none'})",
+        "model",
+    )
+
+
+def _prompt_ids(state: ServerState, parsed: ParsedRequest) -> list[int]:
+    tokenizer = state.tokenizer
+    if parsed.messages is not None:
+        try:
+            return apply_chat_template(tokenizer, parsed.messages)
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from error
+    if isinstance(parsed.prompt, str):
+        return list(tokenizer.encode(parsed.prompt))
+    vocab = state.generator.target.vocab_size
+    bad = [t for t in parsed.prompt if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"'prompt' token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
+    return list(parsed.prompt)
+
+
+def _check_management(state: ServerState) -> None:
+    if not state.enable_lora_management:
+        raise APIError(
+            403,
+            "runtime adapter management is off; start the server with "
+            "--enable-lora-management to allow it",
+            "permission_error",
+        )
+    if state.store is None:
+        raise bad_request("this server has no adapter store")
+
+
+def _str_field(body: Any, name: str) -> str:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"'{name}' must be a non-empty string", name)
+    return value
+
+
+def _load_adapter(state: ServerState, name: str, path: str) -> None:
+    """Validate and load `path` (inside the root) as `name`; the store is unchanged on error."""
+    try:
+        state.store.register(name, path)
+        state.store.load(name)
+    except AdapterError as error:
+        raise bad_request(f"cannot load adapter {name!r}: {error}", "lora_path") from error
+    with state.lock:
+        state.served.add(name)
+
+
+def _unload_adapter(state: ServerState, name: str) -> None:
+    with state.lock:
+        state.served.discard(name)  # no new request may name it from now on
+    try:
+        state.store.unload(name)
+    except AdapterError as error:
+        with state.lock:
+            state.served.add(name)
+        raise bad_request(f"cannot unload adapter {name!r}: {error}", "lora_name") from error

@@ -1,0 +1,176 @@
+"""``selfspec serve``: an OpenAI-compatible server for the base model and its LoRA adapters.
+
+Every request speculates with the shared heads (unless it sends ``"speculation": false``) and
+runs on the adapter its ``model`` field names; the base model's name selects no adapter.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from selfspec.cli_args import parse_dataclass
+from selfspec.heads.config import HeadKind
+
+PROG = "selfspec serve"
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str | None = field(
+        default=None,
+        metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"},
+    )
+    heads: str = field(
+        default="eagle",
+        metadata={
+            "help": "heads dir, 'eagle' / 'medusa' for the heads shipped for the default model, "
+            "or 'none' (no speculation)"
+        },
+    )
+    adapters_root: str | None = field(
+        default=None,
+        metadata={
+            "help": "every valid adapter directory below it is served by its directory name "
+            "(default for the embedded model without --lora-modules: the shipped examples)"
+        },
+    )
+    lora_modules: tuple[str, ...] = field(
+        default=(), metadata={"help": "explicit adapters as name=path"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    max_running: int = field(
+        default=16, metadata={"help": "requests decoded at once, interleaved step by step"}
+    )
+    max_queue: int = field(
+        default=64, metadata={"help": "requests waiting for a slot; more are answered 429"}
+    )
+    drain_timeout: float = field(
+        default=30.0, metadata={"help": "seconds in-flight requests get to finish on shutdown"}
+    )
+    enable_lora_management: bool = field(
+        default=False,
+        metadata={"help": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"},
+    )
+    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+
+    def __post_init__(self) -> None:
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path, got {module!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_running < 1 or self.max_queue < 0:
+            raise ValueError("--max-running must be >= 1 and --max-queue >= 0")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+
+
+def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `selfspec --help`
+    from selfspec.adapters.shipped import examples_root
+    from selfspec.adapters.store import AdapterStore
+    from selfspec.generation import SpeculativeGenerator
+    from selfspec.heads import load_heads
+    from selfspec.serve.app import ServerState
+    from selfspec.shipped import shipped_heads_dir
+    from selfspec.target import TargetSpec, load_target
+
+    target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
+    is_default = args.model in (None, "default")
+    heads = None
+    if args.heads in (HeadKind.EAGLE.value, HeadKind.MEDUSA.value):
+        if not is_default:
+            raise ValueError(
+                f"--heads {args.heads} names the heads shipped for the embedded default model; "
+                "for another model pass --heads DIR (heads trained on it) or --heads none"
+            )
+        heads = load_heads(shipped_heads_dir(args.heads), target.model)
+    elif args.heads != "none":
+        heads = load_heads(args.heads, target.model)
+    root = args.adapters_root
+    if root is None and is_default and not args.lora_modules:
+        root = examples_root()
+    modules = dict(m.partition("=")[::2] for m in args.lora_modules)
+    store = AdapterStore(target.model, root=root, adapters=modules)
+    generator = SpeculativeGenerator(store.base_model, heads, target.tokenizer)
+    return ServerState(
+        generator=generator,
+        tokenizer=target.tokenizer,
+        model_name=target.name,
+        store=store,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout,
+        enable_lora_management=args.enable_lora_management,
+    )
+
+
+def how_to_call(host: str, port: int, model: str) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    if host in ("0.0.0.0", "::"):
+        shown = "127.0.0.1"
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    return (
+        f"curl http://{shown}:{port}/v1/chat/completions "
+        f"-H 'Content-Type: application/json' -d '{body}'"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_dataclass(ServeArgs, argv, description=__doc__, prog=PROG)
+    import uvicorn
+
+    from selfspec.fingerprint import FingerprintMismatch
+    from selfspec.heads import HeadsCheckpointError
+    from selfspec.serve.app import create_app
+    from selfspec.target import TargetLoadError
+
+    try:
+        state = build_state(args)
+    except (
+        TargetLoadError,
+        HeadsCheckpointError,
+        FingerprintMismatch,
+        FileNotFoundError,
+        ValueError,
+    ) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    if not _is_loopback(args.host):
+        print(
+            f"{PROG}: warning: listening on {args.host}, not only on this machine; "
+            "there is no authentication",
+            file=sys.stderr,
+        )
+    store = state.store
+    adapters = ", ".join(sorted(state.served)) or "none"
+    print(f"serving {state.model_name} (heads: {args.heads}) with adapters: {adapters}")
+    if store is not None and store.rejected:
+        for name, why in sorted(store.rejected.items()):
+            print(f"  not served: {name}: {why}", file=sys.stderr)
+    print("call it with:\n  " + how_to_call(args.host, args.port, state.model_name), flush=True)
+    if state.served:
+        example = sorted(state.served)[0]
+        print(f'  (set "model" to an adapter, e.g. "{example}"; GET /v1/models lists them)')
+    app = create_app(state)
+    uvicorn.run(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.drain_timeout)
+    )
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = ["ServeArgs", "build_state", "how_to_call", "main"]

@@ -1,0 +1,278 @@
+"""The engine: ONE worker thread owns the model and interleaves the active requests step by step.
+
+Iteration-level scheduling: each round takes the next decoding step (draft -> one tree forward
+-> verify -> commit) of every running request in turn, each under its own adapter's scope
+(`AdapterStore.scope`); waiting requests join between rounds and finished or cancelled ones
+leave. A request's state (KV cache, draft state, generator) is its own, and a step sees only
+that request, so its output never depends on what else is running: greedy output equals the
+request run alone. The cost is one target forward per request per round (no mixed-adapter batched
+forward yet; `AdapterStore.batch_scope` exists for that next step).
+
+The HTTP side talks to the worker through `RequestHandle`s: events are handed to the request's
+asyncio loop with `call_soon_threadsafe`, and `cancel()` marks the request for the worker,
+which drops it (cache and adapter pin released) before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from selfspec.adapters.errors import StoreFull
+from selfspec.adapters.store import AdapterStore
+from selfspec.generation import GenerationResult, GenerationStream, StepOutput
+from selfspec.serve.errors import APIError, overloaded, unavailable
+from selfspec.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    kind: str
+    """"delta" (a step's committed tokens), "done", "error" or "cancelled"; the last three end."""
+    output: StepOutput | None = None
+    result: GenerationResult | None = None
+    error: APIError | None = None
+
+
+@dataclass
+class Job:
+    stream: GenerationStream | None
+    """Dropped when the request leaves, with its KV cache and draft state."""
+    adapter: str | None
+    label: str
+    """Metrics label: the adapter's name, or the base model's."""
+    speculate: bool
+    handle: RequestHandle
+    admitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    steps: Iterator[StepOutput] | None = None
+    resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class RequestHandle:
+    """The HTTP side of one request: its events, in order, and a way to cancel it."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pending: asyncio.Future[Event] | None = None
+        self.job: Job | None = None
+        self.queue_seconds = 0.0
+        """Seconds the request waited for a slot before its first step."""
+
+    def emit(self, event: Event) -> None:
+        """Called by the worker thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def next_event(self, timeout: float) -> Event | None:
+        """The next event, or None after `timeout` seconds without one.
+
+        The pending `get` survives a timeout (not `asyncio.wait_for`, which before Python 3.12
+        can drop an item that arrives just as the timeout fires)."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._queue.get())
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            return None
+        event, self._pending = self._pending.result(), None
+        return event
+
+    def cancel(self) -> None:
+        """Called on the event loop; a no-op once the request has finished."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        if self.job is not None:
+            self._engine.cancel(self.job)
+
+
+class Engine:
+    """Runs admitted requests on one worker thread. `max_running` requests are interleaved;
+    up to `max_queue` more wait; beyond that `submit` answers 429."""
+
+    def __init__(
+        self,
+        store: AdapterStore | None,
+        metrics: ServerMetrics,
+        max_running: int = 16,
+        max_queue: int = 64,
+    ) -> None:
+        if max_running < 1 or max_queue < 0:
+            raise ValueError(
+                f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
+            )
+        self.store = store
+        self.metrics = metrics
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.peak_running = 0
+        """Most requests ever interleaved at once."""
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._cond = threading.Condition()
+        self._accepting = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the engine was already started")
+            self._accepting = True
+            self._thread = threading.Thread(target=self._work, name="selfspec-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def serving(self) -> bool:
+        thread = self._thread
+        return self._accepting and thread is not None and thread.is_alive()
+
+    def shutdown(self, timeout: float) -> bool:
+        """Stop admitting, let in-flight requests finish within `timeout` seconds, cancel the
+        rest, stop the worker. True if everything in flight finished."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._accepting = False
+            while self._waiting or self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            drained = not (self._waiting or self._running)
+            for job in [*self._waiting, *self._running]:
+                job.cancelled.set()
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(deadline - time.monotonic(), 0) + 10)
+        return drained
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "peak_running": self.peak_running,
+            }
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        stream: GenerationStream,
+        adapter: str | None,
+        label: str,
+        speculate: bool,
+        loop: asyncio.AbstractEventLoop,
+    ) -> RequestHandle:
+        handle = RequestHandle(self, loop)
+        job = Job(stream=stream, adapter=adapter, label=label, speculate=speculate, handle=handle)
+        with self._cond:
+            if not self.serving:
+                self.metrics.requests.labels(label, "rejected").inc()
+                raise unavailable("the engine is not serving (starting or shutting down)")
+            if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
+                self.metrics.requests.labels(label, "rejected").inc()
+                raise overloaded(
+                    f"the server is full: {len(self._running)} requests running and "
+                    f"{len(self._waiting)} waiting (max_queue={self.max_queue}); retry later"
+                )
+            handle.job = job
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify_all()
+        return handle
+
+    def cancel(self, job: Job) -> None:
+        with self._cond:
+            job.cancelled.set()
+            if job in self._waiting:  # never started: nothing to free but its place
+                self._waiting.remove(job)
+                self.metrics.waiting.set(len(self._waiting))
+                self._finish(job, Event("cancelled"), "cancelled")
+            self._cond.notify_all()
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self._running or self._stopping):
+                    self._cond.wait()
+                if self._stopping and not (self._waiting or self._running):
+                    return
+                while self._waiting and len(self._running) < self.max_running:
+                    self._running.append(self._waiting.popleft())
+                self.peak_running = max(self.peak_running, len(self._running))
+                self.metrics.waiting.set(len(self._waiting))
+                self.metrics.running.set(len(self._running))
+                round_ = list(self._running)
+            for job in round_:
+                if not self._step(job):
+                    with self._cond:
+                        self._running.remove(job)
+                        self.metrics.running.set(len(self._running))
+                        self._cond.notify_all()
+
+    def _step(self, job: Job) -> bool:
+        """One decoding step of `job`; False once it has left (finished, failed, cancelled)."""
+        if job.cancelled.is_set():
+            self._finish(job, Event("cancelled"), "cancelled")
+            return False
+        try:
+            if job.steps is None:
+                job.started = time.perf_counter()
+                job.handle.queue_seconds = job.started - job.admitted
+                self.metrics.queue_wait.labels(job.label).observe(job.handle.queue_seconds)
+                if self.store is not None:
+                    # Resident for the whole request: never evicted between its steps.
+                    job.resources.enter_context(self.store.pinned(job.adapter))
+                job.steps = iter(job.stream)
+            output = next(job.steps)
+        except StopIteration:
+            result = job.stream.result
+            self.metrics.latency.labels(job.label).observe(time.perf_counter() - job.admitted)
+            self.metrics.record_finished(job.label, result.stats, job.speculate)
+            self._finish(job, Event("done", result=result), "completed")
+            return False
+        except Exception as error:  # one request failing must not stop the others
+            if isinstance(error, StoreFull):  # every resident slot is pinned by a request
+                logger.warning("request on %s refused: %s", job.label, error)
+                api_error = APIError(503, str(error), "service_unavailable", code="adapters_busy")
+            else:
+                logger.exception("request on %s failed", job.label)
+                api_error = APIError(
+                    500, f"generation failed: {type(error).__name__}: {error}", "server_error"
+                )
+            self._finish(job, Event("error", error=api_error), "error")
+            return False
+        if job.first_token is None:
+            job.first_token = time.perf_counter()
+            self.metrics.ttft.labels(job.label).observe(job.first_token - job.admitted)
+        self.metrics.generation_tokens.labels(job.label).inc(len(output.token_ids))
+        job.handle.emit(Event("delta", output=output))
+        return True
+
+    def _finish(self, job: Job, event: Event, outcome: str) -> None:
+        try:
+            if job.steps is not None:
+                job.steps.close()
+            job.resources.close()
+        finally:
+            job.steps = job.stream = None  # the request's KV cache and draft state go with them
+            self.metrics.requests.labels(job.label, outcome).inc()
+            job.handle.emit(event)

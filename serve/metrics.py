@@ -1,0 +1,106 @@
+"""Prometheus metrics of one server, in a private registry (two apps in one process never mix).
+
+Speculation counters are labelled by adapter (the base model's name for no adapter), which is
+what tells an operator how much each adapter keeps of the shared heads' speed-up:
+acceptance at depth d = ``selfspec_spec_accepted_at_depth_total``
+/ ``selfspec_spec_reached_depth_total``, and τ = (accepted tokens + steps) / steps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from selfspec.stats import GenerationStats
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "selfspec_requests",
+            "Requests by adapter and outcome (completed, cancelled, error, rejected)",
+            ["adapter", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "selfspec_prompt_tokens", "Prompt tokens of finished requests", ["adapter"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "selfspec_generation_tokens", "Generated tokens", ["adapter"], registry=r
+        )
+        self.latency = Histogram(
+            "selfspec_request_latency_seconds",
+            "Time from admission to the last token",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "selfspec_time_to_first_token_seconds",
+            "Time from admission to the first token",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "selfspec_queue_wait_seconds",
+            "Time waiting for a slot before the first step",
+            ["adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.spec_steps = Counter(
+            "selfspec_spec_steps",
+            "Speculative decode steps (one draft tree verified per step)",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "selfspec_spec_draft_tokens",
+            "Drafted tokens verified (tree nodes minus the root)",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "selfspec_spec_accepted_tokens",
+            "Drafted tokens accepted by the target (bonus tokens excluded)",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_reached_depth = Counter(
+            "selfspec_spec_reached_depth",
+            "Speculative steps whose draft tree reached this depth",
+            ["adapter", "depth"],
+            registry=r,
+        )
+        self.spec_accepted_at_depth = Counter(
+            "selfspec_spec_accepted_at_depth",
+            "Speculative steps whose accepted path reached this depth",
+            ["adapter", "depth"],
+            registry=r,
+        )
+        self.running = Gauge("selfspec_requests_running", "Requests being decoded", registry=r)
+        self.waiting = Gauge(
+            "selfspec_requests_waiting", "Requests admitted but not yet started", registry=r
+        )
+
+    def record_finished(self, adapter: str, stats: GenerationStats, speculated: bool) -> None:
+        self.prompt_tokens.labels(adapter).inc(stats.prompt_tokens)
+        if not speculated:
+            return
+        steps = stats.steps
+        self.spec_steps.labels(adapter).inc(len(steps))
+        self.spec_draft_tokens.labels(adapter).inc(sum(s.tree_size - 1 for s in steps))
+        self.spec_accepted_tokens.labels(adapter).inc(sum(s.accepted for s in steps))
+        deepest = max((s.tree_depth for s in steps), default=0)
+        for depth in range(1, deepest + 1):
+            reached = sum(s.tree_depth >= depth for s in steps)
+            accepted = sum(s.accepted >= depth for s in steps)
+            self.spec_reached_depth.labels(adapter, str(depth)).inc(reached)
+            self.spec_accepted_at_depth.labels(adapter, str(depth)).inc(accepted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,163 @@
+"""The engine through real HTTP: interleaved requests keep their own output, cancellation on
+disconnect, backpressure (429), graceful drain on shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True, "speculation": False}
+
+
+def _post(url: str, body: dict[str, object], timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+def _wait_for(url: str, timeout: float = 10, **counts: int) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if all(health[k] == v for k, v in counts.items()):
+            return health
+        assert time.monotonic() < deadline, f"engine never reached {counts}: {health}"
+        time.sleep(0.02)
+
+
+def _metric(url: str, line: str) -> float:
+    for row in httpx.get(f"{url}/metrics").text.splitlines():
+        if row.startswith(line + " "):
+            return float(row.split()[-1])
+    return 0.0
+
+
+REQUESTS = [
+    {"model": "attn", "prompt": "abc", "temperature": 0},
+    {"model": "mlp", "prompt": "hello world", "temperature": 0},
+    {"model": "tiny-llama", "prompt": "xyz", "temperature": 0},
+    {"model": "attn", "prompt": "hello world", "temperature": 0, "speculation": False},
+    {"model": "mlp", "prompt": "abc", "temperature": 0},
+    {"model": "tiny-llama", "prompt": "The fox", "temperature": 0, "speculation": False},
+    {"model": "attn", "prompt": "xyz", "temperature": 0.8, "seed": 3},
+    {"model": "mlp", "prompt": "xyz", "temperature": 0},
+]
+
+
+def test_concurrent_requests_on_different_adapters_equal_serial(server_for) -> None:
+    with server_for(max_running=8, max_queue=8) as (url, state, _):
+        bodies = [{**b, "max_tokens": 24, "ignore_eos": True} for b in REQUESTS]
+        serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
+        assert state.engine.peak_running == 1
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: _post(url, body), bodies))
+        assert [r.json()["choices"][0]["text"] for r in replies] == serial
+        assert state.engine.peak_running >= 2, "the requests were never interleaved"
+        # Streamed concurrently too: same text.
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            streamed = list(pool.map(lambda body: _stream_text(url, body), bodies))
+        assert streamed == serial
+
+
+def _stream_text(url: str, body: dict[str, object]) -> str:
+    import json
+
+    response = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+@pytest.fixture(scope="module")
+def one_slot(server_for):
+    """One running slot and one waiting place."""
+    with server_for(max_running=1, max_queue=1) as (url, state, _):
+        yield url, state
+
+
+def test_client_disconnect_cancels_the_request(one_slot) -> None:
+    url, _ = one_slot
+    cancelled = 'selfspec_requests_total{adapter="attn",outcome="cancelled"}'
+    before = _metric(url, cancelled)
+    body = {"model": "attn", "prompt": "abc", **LONG, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(lines)  # decoding has started
+    _wait_for(url, running=0, waiting=0)
+    assert _metric(url, cancelled) == before + 1
+    # A non-streaming client that gives up is cancelled as well.
+    with pytest.raises(httpx.ReadTimeout):
+        _post(url, {"model": "attn", "prompt": "abc", **LONG}, timeout=0.5)
+    _wait_for(url, running=0, waiting=0)
+    assert _metric(url, cancelled) == before + 2
+    assert _metric(url, 'selfspec_requests_total{adapter="attn",outcome="completed"}') == 0
+
+
+def test_full_queue_is_429_and_the_waiting_request_runs_after(one_slot) -> None:
+    url, _ = one_slot
+    body = {"model": "mlp", "prompt": "abc", **LONG, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()  # kept: a dropped line iterator closes the connection
+        next(lines)  # the one slot is taken
+        waiting: dict[str, httpx.Response] = {}
+        short = {"model": "attn", "prompt": "abc", "temperature": 0, "max_tokens": 4}
+        thread = threading.Thread(target=lambda: waiting.update(r=_post(url, short)))
+        thread.start()
+        _wait_for(url, running=1, waiting=1)
+        rejected = _post(url, short)
+        assert rejected.status_code == 429
+        assert rejected.json()["error"]["type"] == "rate_limit_error"
+    thread.join(timeout=30)  # closing the stream cancelled it, so the waiting one ran
+    assert waiting["r"].status_code == 200
+    assert waiting["r"].json()["usage"]["completion_tokens"] == 4
+    assert _metric(url, 'selfspec_requests_total{adapter="attn",outcome="rejected"}') == 1
+
+
+def test_shutdown_drains_in_flight_requests_then_refuses(server_for) -> None:
+    with server_for() as (url, state, _):
+        body = {"model": "attn", "prompt": "abc", **{**LONG, "max_tokens": 120}}
+        done: dict[str, httpx.Response] = {}
+        client = threading.Thread(target=lambda: done.update(r=_post(url, body)))
+        client.start()
+        _wait_for(url, running=1)
+        drained: list[bool] = []
+        stopper = threading.Thread(target=lambda: drained.append(state.engine.shutdown(30)))
+        stopper.start()
+        deadline = time.monotonic() + 5
+        while state.engine.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert httpx.get(f"{url}/health").status_code == 503
+        refused = _post(url, {**body, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_serving"
+        client.join(timeout=30)
+        stopper.join(timeout=30)
+        assert drained == [True]
+        assert done["r"].status_code == 200
+        assert done["r"].json()["usage"]["completion_tokens"] == 120
+
+
+def test_a_failing_request_leaves_the_others_running(assets) -> None:
+    from serve_helpers import running_server
+
+    from selfspec.adapters.store import AdapterStore, StoreConfig
+    from selfspec.generation import SpeculativeGenerator
+    from selfspec.serve.app import ServerState
+    from selfspec.target import TargetSpec, load_target
+
+    target = load_target(TargetSpec(model=str(assets["target"])))
+    # One resident adapter at most: a second adapter cannot load while the first is pinned.
+    store = AdapterStore(target.model, root=assets["adapters"], config=StoreConfig(max_resident=1))
+    generator = SpeculativeGenerator(target.model, None, target.tokenizer)
+    state = ServerState(generator, target.tokenizer, target.name, store, max_running=2)
+    with running_server(state) as (url, _):
+        body = {"model": "attn", "prompt": "abc", **{**LONG, "max_tokens": 60}, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            busy = _post(url, {"model": "mlp", "prompt": "abc", "max_tokens": 2})
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "adapters_busy"
+            rest = "\n".join(lines)
+        assert '"finish_reason": "length"' in rest and rest.rstrip().endswith("data: [DONE]")
+        assert _post(url, {"model": "mlp", "prompt": "abc", "max_tokens": 2}).status_code == 200
