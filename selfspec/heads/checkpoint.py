@@ -58,6 +58,9 @@ def save_heads(
         }
         save_file(state, str(staging / WEIGHTS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        # mkdtemp makes a private directory; a kept checkpoint gets ordinary permissions.
+        staging.chmod(0o755)
+        (staging / WEIGHTS_FILE).chmod(0o644)
         _replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import pytest
 from safetensors.torch import load_file
 
 from selfspec.target import TargetSpec
@@ -18,7 +17,6 @@ SCRIPT = """
 import sys
 from pathlib import Path
 import lightning as L
-import pytest
 from safetensors.torch import save_file
 from selfspec.target import TargetSpec
 from selfspec.train.datamodule import DistilledDataModule
@@ -36,7 +34,6 @@ save_file(state, str(Path(out) / f"rank{trainer.global_rank}.safetensors"))
 """
 
 
-@pytest.mark.slow  # two processes each load a target and start gloo: over 60 s on 2 busy cores
 def test_ddp_ranks_end_with_identical_heads(
     tiny_target: Path, distilled: Path, tmp_path: Path
 ) -> None:
