@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -34,6 +33,7 @@ from selfspec.adapters.recipe_data import (
     shout,
 )
 from selfspec.adapters.validate import META_FILE, WEIGHTS_FILE
+from selfspec.atomic import replace_dir
 from selfspec.fingerprint import fingerprint_of
 from selfspec.target import TargetSpec, load_target
 
@@ -248,13 +248,7 @@ def _write_adapter(path: Path, lora, state: dict[str, torch.Tensor], meta: dict)
         for file in staging.iterdir():
             file.chmod(0o644)
         staging.chmod(0o755)  # mkdtemp makes it private
-        if path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.rename(path, retired / "old")
-            os.rename(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.rename(staging, path)
+        replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from selfspec.atomic import replace_dir
+
 SHARD_META = "shard.json"
 MANIFEST = "distill.json"
 COLUMNS = ("input_ids", "prompt_len")
@@ -69,13 +71,7 @@ def write_shard(path: Path, columns: dict[str, Any], meta: dict[str, Any], featu
             item.rename(staging / item.name)
         (staging / "data").rmdir()
         (staging / SHARD_META).write_text(json.dumps(meta, indent=2) + "\n")
-        if path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-            os.rename(path, retired / "shard")
-            os.rename(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.rename(staging, path)
+        replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

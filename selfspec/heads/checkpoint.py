@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from selfspec.atomic import replace_dir
 from selfspec.fingerprint import BaseFingerprint, check_compatible, fingerprint_of
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.factory import DraftHeads, build_heads
@@ -61,27 +62,11 @@ def save_heads(
         # mkdtemp makes a private directory; a kept checkpoint gets ordinary permissions.
         staging.chmod(0o755)
         (staging / WEIGHTS_FILE).chmod(0o644)
-        _replace_dir(staging, path)
+        replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return path
-
-
-def _replace_dir(staging: Path, path: Path) -> None:
-    if not path.exists():
-        os.rename(staging, path)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-    try:
-        os.rename(path, retired / "ckpt")
-        try:
-            os.rename(staging, path)
-        except BaseException:
-            os.rename(retired / "ckpt", path)  # put the old checkpoint back
-            raise
-    finally:
-        shutil.rmtree(retired, ignore_errors=True)
 
 
 def read_heads_config(

@@ -1,0 +1,36 @@
+"""Atomic replacement of a directory a user keeps (heads, adapters, dataset shards).
+
+The new content is assembled in a staging directory beside the destination and renamed into
+place, so a reader sees the old directory or the new one, never a mix; if the swap fails, the
+old directory is put back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def staging_dir_for(path: Path) -> Path:
+    """A fresh private directory beside ``path`` (same filesystem, so the rename is atomic)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+
+
+def replace_dir(staging: Path, path: Path) -> None:
+    """Move ``staging`` to ``path``, replacing what was there; the old one survives a failure."""
+    if not path.exists():
+        os.rename(staging, path)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+    try:
+        os.rename(path, retired / "old")
+        try:
+            os.rename(staging, path)
+        except BaseException:
+            os.rename(retired / "old", path)  # put the old directory back
+            raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
