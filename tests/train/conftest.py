@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import make_tiny_model, make_tiny_tokenizer
+from train_helpers import PROMPTS, write_prompts
 
 from selfspec.target import TargetSpec
 from selfspec.train.distill import DistillConfig, distill
-
-PROMPTS = [f"tell me about {word}" for word in ("cats", "rain", "tea", "maps", "code", "sun")] * 4
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -45,11 +43,6 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def other_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same architecture and sizes, other weights: a different base."""
     return save_peaked_target(tmp_path_factory.mktemp("target") / "llama-other", seed=1)
-
-
-def write_prompts(path: Path, prompts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return path
 
 
 @pytest.fixture(scope="session")

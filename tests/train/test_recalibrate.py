@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_prompts
 from peft import LoraConfig, PeftModel, get_peft_model
+from train_helpers import write_prompts
 
 from selfspec.adapters import AdapterStore
 from selfspec.cli import main

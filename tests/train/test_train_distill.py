@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, write_prompts
+from train_helpers import PROMPTS, write_prompts
 
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.cli import distill_main
