@@ -20,7 +20,7 @@ from selfspec.adapters.select import store_for
 from selfspec.adapters.validate import META_FILE
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import load_heads
-from selfspec.shipped import shipped_heads_dir
+from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.tree import parse_tree_spec
 
@@ -51,8 +51,15 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
             generator, heads_kind = SpeculativeGenerator(model, own, target.tokenizer), "own"
         with store.pinned(name):
             rows.append(
-                measure(generator, prompts, settings, scope=store.scope(name), name=name,
-                        heads=heads_kind, meta=_meta(info.path))
+                measure(
+                    generator,
+                    prompts,
+                    settings,
+                    scope=store.scope(name),
+                    name=name,
+                    heads=heads_kind,
+                    meta=_meta(info.path),
+                )
             )
     report = RobustnessReport(
         rows=with_ratios(rows),
@@ -82,14 +89,7 @@ def write_report(report: RobustnessReport, out: Path, plot: bool = True) -> list
 
 
 def _heads(spec: str, model: Any, is_default: bool) -> Any:
-    if spec in ("eagle", "medusa"):
-        if not is_default:
-            raise ValueError(
-                f"--heads {spec} names the heads shipped for the embedded default model; for "
-                "another model pass --heads DIR"
-            )
-        return load_heads(shipped_heads_dir(spec), model)
-    return load_heads(spec, model)
+    return load_heads(resolve_heads_dir(spec, is_default), model)
 
 
 def _meta(directory: Path) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
-from selfspec.heads.config import HeadKind
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DraftSampling, parse_tree_spec
 
@@ -74,26 +73,17 @@ def resolve_heads(
 ) -> object | None:
     """The heads module to speculate with, or None for --no-speculation."""
     from selfspec.heads import load_heads
-    from selfspec.shipped import shipped_heads_dir
+    from selfspec.shipped import resolve_heads_dir
 
     if not args.speculation:
         return None
-    if args.heads in (HeadKind.EAGLE.value, HeadKind.MEDUSA.value):
-        if not is_default_target:
-            raise ValueError(
-                f"--heads {args.heads} names the heads shipped for the embedded default model; "
-                "for another model pass --heads DIR (heads trained on it) or --no-speculation"
-            )
-        return load_heads(shipped_heads_dir(args.heads), target_model)
-    return load_heads(args.heads, target_model)
+    return load_heads(resolve_heads_dir(args.heads, is_default_target), target_model)
 
 
 def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
-    from selfspec.fingerprint import FingerprintMismatch
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
-    from selfspec.heads import HeadsCheckpointError
-    from selfspec.target import TargetLoadError, TargetSpec, apply_chat_template, load_target
+    from selfspec.target import TargetSpec, apply_chat_template, load_target
 
     try:
         target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
@@ -126,13 +116,8 @@ def main(argv: Sequence[str]) -> int:
             )
         generator = SpeculativeGenerator(target.model, heads, tokenizer)
         stream = generator.stream(prompt_ids, config, scope)
-    except (
-        TargetLoadError,
-        HeadsCheckpointError,
-        FingerprintMismatch,
-        FileNotFoundError,
-        ValueError,
-    ) as error:
+    # TargetLoadError, HeadsCheckpointError, FingerprintMismatch and AdapterError are ValueErrors.
+    except (FileNotFoundError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     for step in stream:

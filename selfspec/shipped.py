@@ -22,3 +22,16 @@ def shipped_heads_dir(kind: HeadKind | str = HeadKind.EAGLE) -> Path:
             "(see the README) or pass --heads DIR"
         )
     return path
+
+
+def resolve_heads_dir(spec: str, is_default_target: bool) -> Path:
+    """The directory a ``--heads`` value names: 'eagle' / 'medusa' for the shipped heads (only
+    for the embedded default target), anything else a heads directory."""
+    if spec in (HeadKind.EAGLE.value, HeadKind.MEDUSA.value):
+        if not is_default_target:
+            raise ValueError(
+                f"--heads {spec} names the heads shipped for the embedded default model; for "
+                "another model pass --heads DIR (heads trained on it)"
+            )
+        return shipped_heads_dir(spec)
+    return Path(spec).expanduser()

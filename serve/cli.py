@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
-from selfspec.heads.config import HeadKind
 
 PROG = "selfspec serve"
 
@@ -77,21 +76,14 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
     from selfspec.serve.app import ServerState
-    from selfspec.shipped import shipped_heads_dir
+    from selfspec.shipped import resolve_heads_dir
     from selfspec.target import TargetSpec, load_target
 
     target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
     is_default = args.model in (None, "default")
     heads = None
-    if args.heads in (HeadKind.EAGLE.value, HeadKind.MEDUSA.value):
-        if not is_default:
-            raise ValueError(
-                f"--heads {args.heads} names the heads shipped for the embedded default model; "
-                "for another model pass --heads DIR (heads trained on it) or --heads none"
-            )
-        heads = load_heads(shipped_heads_dir(args.heads), target.model)
-    elif args.heads != "none":
-        heads = load_heads(args.heads, target.model)
+    if args.heads != "none":
+        heads = load_heads(resolve_heads_dir(args.heads, is_default), target.model)
     root = args.adapters_root
     if root is None and is_default and not args.lora_modules:
         root = examples_root()
@@ -125,20 +117,12 @@ def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(ServeArgs, argv, description=__doc__, prog=PROG)
     import uvicorn
 
-    from selfspec.fingerprint import FingerprintMismatch
-    from selfspec.heads import HeadsCheckpointError
     from selfspec.serve.app import create_app
-    from selfspec.target import TargetLoadError
 
     try:
         state = build_state(args)
-    except (
-        TargetLoadError,
-        HeadsCheckpointError,
-        FingerprintMismatch,
-        FileNotFoundError,
-        ValueError,
-    ) as error:
+    # TargetLoadError, HeadsCheckpointError, FingerprintMismatch and AdapterError are ValueErrors.
+    except (FileNotFoundError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     if not _is_loopback(args.host):

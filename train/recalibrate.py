@@ -53,7 +53,7 @@ from selfspec.cli_args import parse_dataclass
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads, save_heads
 from selfspec.heads.checkpoint import read_heads_config
-from selfspec.shipped import shipped_heads_dir
+from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
@@ -446,14 +446,7 @@ def _refuse_existing(destination: Path, overwrite: bool) -> None:
 
 
 def _heads_dir(spec: str, is_default: bool) -> Path:
-    if spec in ("eagle", "medusa"):
-        if not is_default:
-            raise ValueError(
-                f"--heads {spec} names the heads shipped for the embedded default model; for "
-                "another model pass --heads DIR"
-            )
-        return shipped_heads_dir(spec)
-    path = Path(spec).expanduser()
+    path = resolve_heads_dir(spec, is_default)
     if not path.is_dir():
         raise FileNotFoundError(f"--heads {spec!r} is neither 'eagle', 'medusa' nor a directory")
     return path
