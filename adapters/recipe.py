@@ -33,7 +33,7 @@ from selfspec.adapters.recipe_data import (
     shout,
 )
 from selfspec.adapters.validate import META_FILE, WEIGHTS_FILE
-from selfspec.atomic import replace_dir
+from selfspec.atomic import replace_dir, staging_dir_for
 from selfspec.fingerprint import fingerprint_of
 from selfspec.target import TargetSpec, load_target
 
@@ -238,16 +238,13 @@ def _finetune_and_save(model, tokenizer, name, examples, config, out_dir, base_t
 def _write_adapter(path: Path, lora, state: dict[str, torch.Tensor], meta: dict) -> None:
     """Write config + weights + meta under a temporary name, then rename into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = staging_dir_for(path)
     try:
         lora.base_model_name_or_path = "SmolLM2-135M-Instruct"
         lora.inference_mode = True
         lora.save_pretrained(str(staging))
         save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        for file in staging.iterdir():
-            file.chmod(0o644)
-        staging.chmod(0o755)  # mkdtemp makes it private
         replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

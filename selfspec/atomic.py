@@ -20,7 +20,15 @@ def staging_dir_for(path: Path) -> Path:
 
 
 def replace_dir(staging: Path, path: Path) -> None:
-    """Move ``staging`` to ``path``, replacing what was there; the old one survives a failure."""
+    """Move ``staging`` to ``path``, replacing what was there; the old one survives a failure.
+
+    mkdtemp made ``staging`` private; what a user keeps gets ordinary permissions (rwxr-xr-x for
+    the directory, rw-r--r-- for the files in it).
+    """
+    staging.chmod(0o755)
+    for item in staging.iterdir():
+        if item.is_file():
+            item.chmod(0o644)
     if not path.exists():
         os.rename(staging, path)
         return

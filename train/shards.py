@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from selfspec.atomic import replace_dir
+from selfspec.atomic import replace_dir, staging_dir_for
 
 SHARD_META = "shard.json"
 MANIFEST = "distill.json"
@@ -64,7 +64,7 @@ def write_shard(path: Path, columns: dict[str, Any], meta: dict[str, Any], featu
         schema["features"] = Array2D(shape=(None, features), dtype="float16")
     data = Dataset.from_dict(columns, features=Features(schema))
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = staging_dir_for(path)
     try:
         data.save_to_disk(str(staging / "data"))
         for item in (staging / "data").iterdir():

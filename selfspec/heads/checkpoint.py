@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from selfspec.atomic import replace_dir
+from selfspec.atomic import replace_dir, staging_dir_for
 from selfspec.fingerprint import BaseFingerprint, check_compatible, fingerprint_of
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.factory import DraftHeads, build_heads
@@ -51,7 +50,7 @@ def save_heads(
         "base": base.to_dict(),
         "extra": extra or {},
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = staging_dir_for(path)
     try:
         state = {
             name: t.detach().to("cpu", torch.float32).contiguous()
@@ -59,9 +58,6 @@ def save_heads(
         }
         save_file(state, str(staging / WEIGHTS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        # mkdtemp makes a private directory; a kept checkpoint gets ordinary permissions.
-        staging.chmod(0o755)
-        (staging / WEIGHTS_FILE).chmod(0o644)
         replace_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
