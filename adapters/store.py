@@ -1,19 +1,26 @@
 """The adapter store: known adapters, a bounded resident set, and per-request activation.
 
 One base model, many LoRA adapters. Adapters are *known* (validated from their config and
-safetensors header, see `validate.py`) when registered, and *resident* (weights injected into the
-base with peft) when loaded: on demand, or explicitly. The resident set is bounded in count and in
+safetensors header, see `validate.py`) when registered, and *resident* (weights in memory, ready
+to apply) when loaded: on demand, or explicitly. The resident set is bounded in count and in
 bytes; the least recently used unpinned adapter is evicted to make room.
+
+How resident adapters are applied (`StoreConfig.backend`): by default the fast path
+(`fast_lora.LoraBank`: every resident adapter's weights stacked per base linear layer, added by
+forward hooks; a switch sets an int). An adapter the bank cannot represent exactly falls back to
+peft's own LoRA layers, with a warning naming it and the reason (`fallbacks`, `fallback_loads`,
+`backend_of`). `backend=peft` puts every adapter on peft. The files are read and validated the
+same way either way (peft's format: `adapter_config.json` + `adapter_model.safetensors`).
 
 Activation is per step: `store.scope(name)` gives the zero-argument context factory that
 `SpeculativeGenerator.stream(..., scope=...)` enters around every step of a request, so requests on
-different adapters can be interleaved step by step. Switching between resident adapters copies no
-weight (peft `set_adapter` only flips which LoRA branch each layer runs); `None` is the base model
-(peft's adapter layers disabled). Steps hold the store's lock, so threads never see each other's
-activation.
+different adapters can be interleaved step by step. Switching copies no weight (the bank's slot;
+for peft adapters `set_adapter` flips which LoRA branch each layer runs); `None` is the base model.
+Steps hold the store's lock, so threads never see each other's activation.
 
-LoRA layers are injected into the base model in place, so a `SpeculativeGenerator` built on the
-base model (before or after any load) runs the adapted modules: build it on `store.base_model`.
+Both paths act on the base model's own modules in place (hooks on its linear layers; peft's
+layers wrap them), so a `SpeculativeGenerator` built on the base model (before or after any load)
+runs the adapted modules: build it on `store.base_model`.
 
 Every operation either succeeds or raises an `AdapterError` and leaves the store as it was.
 """
@@ -28,6 +35,7 @@ import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from selfspec.adapters import fast_lora
 from selfspec.adapters.errors import (
     AdapterError,
     AdapterPathError,
@@ -61,6 +70,16 @@ BASE_ADAPTER_NAME = "__base__"
 """peft's name for "no adapter" in a mixed-adapter batch (`adapter_names`)."""
 
 
+class LoraBackend(str, Enum):
+    """How resident adapters are applied to the base's forward."""
+
+    FAST = "fast"
+    """`fast_lora.LoraBank`: stacked weights, forward hooks, a switch sets an int. Adapters it
+    cannot represent exactly fall back to peft, with a warning (`AdapterStore.fallbacks`)."""
+    PEFT = "peft"
+    """peft's own LoRA layers for every adapter (`set_adapter`, `adapter_names`)."""
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Bounds of the resident set and limits on what may be registered."""
@@ -72,8 +91,15 @@ class StoreConfig:
     adapter while the new weights are injected, before the evicted ones are dropped."""
     limits: AdapterLimits = field(default_factory=AdapterLimits)
     """Rank and file-size limits every adapter is validated against."""
+    backend: LoraBackend = LoraBackend.FAST
+    """How adapters are applied: the fast path (default) or peft's layers."""
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", LoraBackend(self.backend))
+        except ValueError:
+            choices = ", ".join(repr(b.value) for b in LoraBackend)
+            raise ValueError(f"backend must be one of {choices}, got {self.backend!r}") from None
         if self.max_resident < 1:
             raise ValueError(f"max_resident must be >= 1, got {self.max_resident}")
         if self.max_bytes < 1:
@@ -95,8 +121,10 @@ class AdapterStore:
         adapters: Mapping[str, str | Path] | None = None,
         config: StoreConfig | None = None,
     ) -> None:
-        if callable(getattr(model, "get_base_model", None)) or any(
-            hasattr(module, "base_layer") for module in model.modules()
+        if (
+            callable(getattr(model, "get_base_model", None))
+            or any(hasattr(module, "base_layer") for module in model.modules())
+            or fast_lora.installed_on(model)
         ):
             raise TypeError(
                 "AdapterStore takes the plain base model; this one is peft-wrapped or already "
@@ -117,9 +145,12 @@ class AdapterStore:
         self._peft_names: dict[str, str] = {}
         self._loads = 0
         self._pins: Counter[str] = Counter()
-        self._peft: Any = None  # peft.PeftModel, created with the first load
-        self._active: object = None  # name, None (base) or _UNSET
-        self._layers: list[Any] = []  # peft's LoRA layers, cached when `_active` was _UNSET
+        self._peft: Any = None  # peft.PeftModel, created with the first peft load
+        self._peft_active: object = None  # what peft's layers run: name, None (base) or _UNSET
+        self._layers: list[Any] = []  # peft's LoRA layers, cached when `_peft_active` was _UNSET
+        self._bank = fast_lora.LoraBank(model)  # hooks only once an adapter is in it
+        self._fallbacks: dict[str, str] = {}
+        self._fallback_loads = 0
         self._lock = threading.RLock()
         if self.root is not None:
             self.scan()
@@ -197,6 +228,25 @@ class AdapterStore:
         with self._lock:
             return sum(info.nbytes for info in self._resident.values())
 
+    def backend_of(self, name: str) -> LoraBackend | None:
+        """How the resident adapter `name` is applied; None when it is not resident."""
+        with self._lock:
+            self._get(name)
+            if name in self._bank:
+                return LoraBackend.FAST
+            return LoraBackend.PEFT if name in self._peft_names else None
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Adapters that the fast path could not apply, so peft does -> why (latest load)."""
+        with self._lock:
+            return dict(self._fallbacks)
+
+    @property
+    def fallback_loads(self) -> int:
+        """How many loads fell back from the fast path to peft (a counter for metrics)."""
+        return self._fallback_loads
+
     def load(self, name: str) -> AdapterInfo:
         """Make `name` resident (evicting least recently used adapters if needed) and most
         recently used. A resident adapter is only marked used."""
@@ -211,15 +261,23 @@ class AdapterStore:
             # tensors would break peft's later requires_grad bookkeeping.
             with torch.inference_mode(False):
                 state = _read_weights(fresh, self.base_model.get_input_embeddings().weight.dtype)
-            self._loads += 1
-            peft_name = f"slot{self._loads}"
-            self._inject(fresh, peft_name, state)
-            self._peft_names[name] = peft_name
+            reason = self._fast_refusal(fresh)
+            if reason is None:
+                self._bank_add(fresh, state)
+            else:
+                self._loads += 1
+                peft_name = f"slot{self._loads}"
+                self._inject(fresh, peft_name, state)
+                self._peft_names[name] = peft_name
+                self._peft_active = _UNSET
+                if self.config.backend is LoraBackend.FAST:
+                    self._fallback_loads += 1
+                    self._fallbacks[name] = reason
+                    logger.warning("adapter %r runs on peft, not the fast path: %s", name, reason)
             for victim in victims:
                 self._evict(victim)
             self._known[name] = fresh
             self._resident[name] = fresh
-            self._active = _UNSET
             return fresh
 
     def unload(self, name: str) -> bool:
@@ -273,22 +331,38 @@ class AdapterStore:
     @contextlib.contextmanager
     def batch_scope(self, names: Sequence[str | None]) -> Iterator[list[str]]:
         """Mixed-adapter batch: row i of a forward run inside uses adapter `names[i]` (None: the
-        base). Yields peft's `adapter_names` list. All named adapters are resident and pinned for
-        the duration. Uses peft's forward hooks (`adapter_names`), so it works for any forward of
-        the base model's modules, including the decoder body the generator runs."""
-        distinct = sorted({n for n in names if n is not None})
+        base). All named adapters are resident and pinned for the duration. Yields each row's
+        label (its adapter's name, `BASE_ADAPTER_NAME` for the base). Works for any forward of
+        the base model's modules, including the decoder body the generator runs.
+
+        Fast-path adapters run through the bank's per-row indices; peft-fallback adapters through
+        peft's `adapter_names` hooks. One batch mixing the two is refused with an `AdapterError`
+        (run them as separate batches): each path applies only its own adapters."""
+        rows = list(names)
+        distinct = sorted({n for n in rows if n is not None})
+        labels = [BASE_ADAPTER_NAME if n is None else n for n in rows]
         with contextlib.ExitStack() as stack:
             for name in distinct:
                 stack.enter_context(self.pinned(name))
             stack.enter_context(self._lock)
-            peft_names = [BASE_ADAPTER_NAME if n is None else self._peft_names[n] for n in names]
-            if not distinct:
-                self._activate(None)
-                yield peft_names
+            on_peft = [n for n in distinct if n in self._peft_names]
+            if on_peft and len(on_peft) < len(distinct):
+                on_fast = [n for n in distinct if n not in self._peft_names]
+                raise AdapterError(
+                    f"one batch cannot mix fast-path adapters ({', '.join(on_fast)}) with adapters "
+                    f"that fell back to peft ({', '.join(on_peft)}); run them as separate batches"
+                )
+            stack.callback(self._bank.restore, self._bank.selection())
+            if not on_peft:
+                self._activate_peft(None)
+                self._bank.select_rows(rows)
+                yield labels
                 return
-            self._activate(distinct[0])  # peft runs the hooks only while an adapter is enabled
+            self._bank.select(None)
+            self._activate_peft(on_peft[0])  # peft runs the hooks only while an adapter is enabled
+            peft_names = [BASE_ADAPTER_NAME if n is None else self._peft_names[n] for n in rows]
             stack.enter_context(self._peft._enable_peft_forward_hooks(adapter_names=peft_names))
-            yield peft_names
+            yield labels
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -339,8 +413,11 @@ class AdapterStore:
             try:
                 if self._peft is None:
                     self._peft = PeftModel(
-                        self.base_model, config, adapter_name=peft_name,
-                        autocast_adapter_dtype=False, low_cpu_mem_usage=True,
+                        self.base_model,
+                        config,
+                        adapter_name=peft_name,
+                        autocast_adapter_dtype=False,
+                        low_cpu_mem_usage=True,
                     )
                 else:
                     self._peft.add_adapter(
@@ -355,32 +432,65 @@ class AdapterStore:
             except (RuntimeError, ValueError, KeyError, TypeError) as error:
                 if created:
                     self._peft.delete_adapter(peft_name)
-                self._active = _UNSET
+                self._peft_active = _UNSET
                 raise InvalidAdapter(
                     f"adapter {info.name!r} ({info.path}) could not be injected: {error}"
                 ) from error
 
+    def _fast_refusal(self, info: AdapterInfo) -> str | None:
+        """Why `info` goes to peft rather than the fast path; None: the fast path takes it."""
+        if self.config.backend is LoraBackend.PEFT:
+            return "the store's backend is peft"
+        return fast_lora.unsupported_reason(info.config, info.modules, self._bank.linear_names)
+
+    def _bank_add(self, info: AdapterInfo, state: dict[str, torch.Tensor]) -> None:
+        """Put `info`'s weights in the bank; the bank is unchanged on failure."""
+        try:
+            weights = fast_lora.weights_from_state(state, info.config)
+            if set(weights) != set(info.modules):
+                raise ValueError(
+                    f"the weights adapt {len(weights)} modules, validation expected "
+                    f"{len(info.modules)}"
+                )
+            with torch.inference_mode(False), torch.no_grad():
+                self._bank.add(info.name, weights)
+        except ValueError as error:
+            raise InvalidAdapter(
+                f"adapter {info.name!r} ({info.path}) could not be loaded: {error}"
+            ) from error
+
     def _evict(self, name: str) -> None:
-        with warnings.catch_warnings():
-            # peft warns that it activates another adapter; `_activate` re-applies ours anyway.
-            warnings.simplefilter("ignore", UserWarning)
-            self._peft.delete_adapter(self._peft_names.pop(name))
+        if name in self._bank:
+            self._bank.remove(name)
+        else:
+            with warnings.catch_warnings():
+                # peft warns that it activates another adapter; `_activate` re-applies ours anyway.
+                warnings.simplefilter("ignore", UserWarning)
+                self._peft.delete_adapter(self._peft_names.pop(name))
+            self._peft_active = _UNSET
+        self._fallbacks.pop(name, None)
         del self._resident[name]
-        self._active = _UNSET
 
     def _activate(self, name: str | None) -> None:
-        """Make `name` (None: the base) the adapter every LoRA layer runs.
+        """Make `name` (None: the base) the adapter the next forwards run: the bank's slot for a
+        fast-path adapter (an int; peft's layers, if any, off), else peft's layers."""
+        fast = name is not None and name in self._bank
+        self._bank.select(name if fast else None)
+        self._activate_peft(None if fast else name)
+
+    def _activate_peft(self, name: str | None) -> None:
+        """Make `name` (None: the base) the adapter every peft LoRA layer runs.
 
         After a load or unload (state `_UNSET`) this goes through peft's own model-wide calls,
         which walk every module; between resident adapters it only flips the LoRA layers it
         cached then (peft's per-layer `set_adapter` / `enable_adapters`): ~100x cheaper on the
         default model. No auxiliary peft modules exist (validation refuses modules_to_save and
         trainable tokens), so the LoRA layers are all there is to switch."""
-        previous = self._active
+        previous = self._peft_active
         if previous is not _UNSET and previous == name:
             return
         if self._peft is None:
-            self._active = name
+            self._peft_active = name
             return
         if previous is _UNSET:
             from peft.tuners.tuners_utils import BaseTunerLayer
@@ -403,7 +513,7 @@ class AdapterStore:
                 layer.set_adapter(peft_name, inference_mode=True)
             self._peft.base_model.active_adapter = peft_name  # what peft's set_adapter records
             self._peft.active_adapter = peft_name
-        self._active = name
+        self._peft_active = name
 
 
 def _read_weights(info: AdapterInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
