@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from selfspec.adapters.atomic import write_text_atomic
 from selfspec.adapters.prompts import default_prompts_file, encode_prompts, read_prompt_file
 from selfspec.adapters.robustness import (
     BASE,
@@ -18,6 +17,7 @@ from selfspec.adapters.robustness import (
 )
 from selfspec.adapters.select import store_for
 from selfspec.adapters.validate import META_FILE
+from selfspec.atomic import write_text_atomic
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.shipped import resolve_heads_dir

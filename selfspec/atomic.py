@@ -1,8 +1,8 @@
-"""Atomic replacement of a directory a user keeps (heads, adapters, dataset shards).
+"""Atomic writes of what a user keeps: files, and directories (heads, adapters, dataset shards).
 
-The new content is assembled in a staging directory beside the destination and renamed into
-place, so a reader sees the old directory or the new one, never a mix; if the swap fails, the
-old directory is put back.
+A file is written to a temporary file beside it, then renamed over it. A directory's new content
+is assembled in a staging directory beside the destination and renamed into place, so a reader
+sees the old directory or the new one, never a mix; if the swap fails, the old one is put back.
 """
 
 from __future__ import annotations
@@ -42,3 +42,19 @@ def replace_dir(staging: Path, path: Path) -> None:
             raise
     finally:
         shutil.rmtree(retired, ignore_errors=True)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return path

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -17,13 +17,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from selfspec.cost_curve import CostCurve
 from selfspec.drafting import Drafter, DraftPlan, make_drafter
+from selfspec.drafting.sizing import TreeSizer
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
-from selfspec.tree import DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
+from selfspec.tree import ADAPTIVE_TREE, DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
 from selfspec.verify import verify_greedy, verify_sampling
 
 StepScope = Callable[[], contextlib.AbstractContextManager]
@@ -42,7 +44,7 @@ class GenerationConfig:
     speculate: bool = True
     """False: vanilla decoding through the same loop (needs no heads)."""
     tree: TreeSpec | None = None
-    """None: the heads' default (``default_tree``)."""
+    """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
     draft_sampling: DraftSampling = DraftSampling.TOP_K
 
     def __post_init__(self) -> None:
@@ -100,18 +102,32 @@ class RequestState:
     """How much of ``text`` the stream has handed out."""
     finish_reason: FinishReason | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    drafts_accepted: float = 1.0
+    drafts_predicted: float = 1.0
+    """Running sums (one pseudo-count each) calibrating the draft's confidence for tree sizing."""
+
+    @property
+    def calibration(self) -> float:
+        return self.drafts_accepted / self.drafts_predicted
 
 
 class SpeculativeGenerator:
     """Generates from a target (optionally peft-wrapped) with draft heads.
 
-    Holds references only; every request gets its own RequestState.
+    Holds references only; every request gets its own RequestState. ``cost_curve`` (this
+    machine's verification cost per tree size, see ``selfspec.cost_curve``) enables adaptive
+    trees, the default tree when it is given.
     """
 
     def __init__(
-        self, model: PreTrainedModel, heads: nn.Module | None = None, tokenizer: Any = None
+        self,
+        model: PreTrainedModel,
+        heads: nn.Module | None = None,
+        tokenizer: Any = None,
+        cost_curve: CostCurve | None = None,
     ) -> None:
         self.target = TargetForward(model)
+        self.cost_curve = cost_curve
         self.heads = heads
         self.drafter: Drafter | None = (
             make_drafter(heads, self.target) if heads is not None else None
@@ -148,7 +164,14 @@ class SpeculativeGenerator:
             raise ValueError("speculation needs heads: pass heads, or set speculate=False")
         if config.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        depth = self.tree_for(config).depth if config.speculate else 0
+        tree = self.tree_for(config)
+        adaptive = isinstance(tree, DynamicTree) and tree.adaptive
+        if config.speculate and adaptive and self.cost_curve is None:
+            raise ValueError(
+                "an adaptive tree needs the generator's cost curve "
+                "(SpeculativeGenerator(..., cost_curve=cached_cost_curve(...)))"
+            )
+        depth = tree.depth if config.speculate else 0
         if (
             config.speculate
             and isinstance(self.heads, MedusaHeads)
@@ -166,11 +189,13 @@ class SpeculativeGenerator:
             )
 
     def tree_for(self, config: GenerationConfig) -> TreeSpec:
+        """The request's tree, else the default: adaptive with a cost curve, else fixed."""
         if config.tree is not None:
             return config.tree
-        if isinstance(self.heads, MedusaHeads):
-            return DynamicTree(top_k=4, depth=self.heads.config.num_heads, budget=24)
-        return DynamicTree()
+        tree = ADAPTIVE_TREE if self.cost_curve is not None else DynamicTree()
+        if isinstance(self.heads, MedusaHeads):  # one head per depth
+            return replace(tree, depth=min(tree.depth, self.heads.config.num_heads))
+        return tree
 
     # -- the steps ---------------------------------------------------------------------------
 
@@ -197,8 +222,16 @@ class SpeculativeGenerator:
     def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
         """Draft, verify in one target forward, commit. Returns the newly committed tokens."""
         if config.speculate:
+            sizer = (
+                TreeSizer(self.cost_curve, state.calibration)
+                if self.cost_curve is not None
+                else None
+            )
             plan = DraftPlan(
-                tree=self.tree_for(config), sampling=config.draft_sampling, params=config.sampling
+                tree=self.tree_for(config),
+                sampling=config.draft_sampling,
+                params=config.sampling,
+                sizer=sizer,
             )
             tree = self.drafter.draft(state.draft_state, state.root_token, plan, state.generator)
         else:
@@ -220,6 +253,9 @@ class SpeculativeGenerator:
                 state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
             )
         state.root_token = verdict.bonus
+        if tree.scores is not None and tree.size > 1:
+            state.drafts_predicted += float(tree.scores[1:].exp().sum())
+            state.drafts_accepted += verdict.num_drafted_accepted
         state.stats.steps.append(
             StepRecord(
                 accepted=verdict.num_drafted_accepted,

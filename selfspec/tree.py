@@ -78,6 +78,9 @@ class DynamicTree:
     top_k: int = 4
     depth: int = 5
     budget: int = 24
+    adaptive: bool = False
+    """True: ``depth`` and ``budget`` are upper bounds; each step drafts deeper and keeps as many
+    nodes as maximise expected tokens per second on the measured cost curve (``sizing.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("top_k", "depth", "budget"):
@@ -86,6 +89,9 @@ class DynamicTree:
 
 
 TreeSpec = StaticTree | DynamicTree
+
+ADAPTIVE_TREE = DynamicTree(top_k=8, depth=6, budget=48, adaptive=True)
+"""The adaptive tree's bounds: wide and deep enough that the cost curve, not the bounds, decides."""
 
 # A compact default for Medusa-style static trees (depth 4, 31 drafted nodes): wide near the
 # root, where acceptance is likeliest, narrow below.
@@ -124,6 +130,8 @@ class Tree:
     draft_probs: torch.Tensor  # [E, vocab] distribution the children were drawn from
     draws: torch.Tensor  # [E, k] tokens in draw order (padded with -1)
     sampling: DraftSampling
+    scores: torch.Tensor | None = None
+    """# [T] cumulative draft log-probability of each node (root 0); None if not drafted."""
 
     @property
     def size(self) -> int:
@@ -173,7 +181,9 @@ def parse_tree_spec(text: str) -> TreeSpec | None:
     """Parse a tree description as the CLI and server take it.
 
     ``auto`` (None: the heads' default), ``static`` (DEFAULT_STATIC_TREE), ``chain:D``,
-    ``dynamic`` or ``dynamic:TOP_K,DEPTH,BUDGET``, or a path to a JSON list of rank paths.
+    ``dynamic`` or ``dynamic:TOP_K,DEPTH,BUDGET``, ``adaptive`` or ``adaptive:TOP_K,DEPTH,BUDGET``
+    (size chosen per step from the cost curve, up to BUDGET), or a path to a JSON list of rank
+    paths.
     """
     import json
     from pathlib import Path
@@ -186,11 +196,12 @@ def parse_tree_spec(text: str) -> TreeSpec | None:
             return DEFAULT_STATIC_TREE
         if kind == "chain":
             return StaticTree.chain(int(args))
-        if kind == "dynamic":
+        if kind in ("dynamic", "adaptive"):
+            adaptive = kind == "adaptive"
             if not args:
-                return DynamicTree()
+                return ADAPTIVE_TREE if adaptive else DynamicTree()
             top_k, depth, budget = (int(v) for v in args.split(","))
-            return DynamicTree(top_k=top_k, depth=depth, budget=budget)
+            return DynamicTree(top_k=top_k, depth=depth, budget=budget, adaptive=adaptive)
     except ValueError as error:
         raise ValueError(f"invalid tree {text!r}: {error}") from error
     path = Path(text)
@@ -203,6 +214,6 @@ def parse_tree_spec(text: str) -> TreeSpec | None:
                 f"tree file {path} must hold a JSON list of rank paths: {error}"
             ) from error
     raise ValueError(
-        f"invalid tree {text!r}: expected auto, static, chain:D, dynamic[:TOP_K,DEPTH,BUDGET] "
-        "or a .json file of rank paths"
+        f"invalid tree {text!r}: expected auto, static, chain:D, dynamic[:TOP_K,DEPTH,BUDGET], "
+        "adaptive[:TOP_K,DEPTH,BUDGET] or a .json file of rank paths"
     )

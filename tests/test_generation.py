@@ -10,6 +10,7 @@ produces varied text with top-2 gaps > 1e-3, which `_vanilla` asserts along the 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from tiny_models import ARCHS, VOCAB_SIZE, make_tiny_model
 from transformers import DynamicCache, PreTrainedModel
 
 import selfspec.generation as generation_module
+from selfspec.cost_curve import CostCurve
 from selfspec.generation import FinishReason, GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
+from selfspec.heads.draft_vocab import set_draft_vocab
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DEFAULT_STATIC_TREE, DraftSampling, DynamicTree, StaticTree, TreeSpec
 
@@ -372,3 +375,83 @@ def test_medusa_tree_deeper_than_heads_is_refused() -> None:
 def test_invalid_max_new_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenerationConfig(max_new_tokens=0)
+
+
+# -- draft vocabulary and adaptive trees ---------------------------------------------------------
+
+
+def _with_draft_vocab(heads: torch.nn.Module, arch: str, size: int) -> torch.nn.Module:
+    """The same heads, restricted to `size` draft tokens: half of vanilla's tokens, then others."""
+    config = replace(heads.config, draft_vocab_size=size)
+    restricted = build_heads(config)
+    restricted.load_state_dict({**heads.state_dict(), "draft_vocab": restricted.draft_vocab})
+    vanilla = sorted(set(_vanilla(arch)))
+    chosen = vanilla[::2] + [t for t in range(VOCAB_SIZE) if t not in vanilla]
+    set_draft_vocab(restricted, torch.tensor(chosen[:size]))
+    return restricted.eval()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
+    arch: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    heads = _with_draft_vocab(_heads(arch, kind, perturbed=True), arch, size=40)
+    allowed = set(heads.draft_vocab.tolist())
+    generator = SpeculativeGenerator(_model(arch), heads)
+    drafted: list[int] = []
+    draft = generator.drafter.draft
+
+    def spy(*args, **kwargs):
+        tree = draft(*args, **kwargs)
+        drafted.extend(tree.tokens[1:].tolist())
+        return tree
+
+    monkeypatch.setattr(generator.drafter, "draft", spy)
+    for tree in TREES.values():
+        result = generator.generate(PROMPT, _greedy(tree))
+        assert result.token_ids == list(_vanilla(arch))
+    assert drafted and set(drafted) <= allowed
+    # Sampling: the proposal is spread back over the whole vocabulary (zero outside the draft
+    # vocabulary) and seeded runs repeat.
+    config = GenerationConfig(
+        max_new_tokens=12,
+        sampling=SamplingParams(temperature=0.8),
+        seed=3,
+        tree=TREES["dynamic"],
+        draft_sampling=DraftSampling.WITHOUT_REPLACEMENT,
+        stop_token_ids=NO_STOP,
+    )
+    assert (
+        generator.generate(PROMPT, config).token_ids == generator.generate(PROMPT, config).token_ids
+    )
+
+
+FLAT = CostCurve(sizes=(1, 64), seconds=(1.0, 1.0))
+"""Verification costs the same at any size: every drafted node is worth verifying."""
+STEEP = CostCurve(sizes=(1, 2), seconds=(1.0, 1000.0))
+"""A second tree token costs 1000x: no draft is worth verifying."""
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adaptive_tree_sizes_follow_the_cost_curve_and_stay_lossless(arch: str, kind: str) -> None:
+    heads = _heads(arch, kind, perturbed=True)
+    adaptive = DynamicTree(top_k=3, depth=4, budget=12, adaptive=True)
+    sizes = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        generator = SpeculativeGenerator(_model(arch), heads, cost_curve=curve)
+        for tree in (adaptive, None):  # explicit, and the generator's default
+            result = generator.generate(PROMPT, _greedy(tree))
+            assert result.token_ids == list(_vanilla(arch)), f"{name} {tree}"
+            sizes[name, tree is None] = [s.tree_size for s in result.stats.steps]
+    assert all(size == 1 for size in sizes["steep", False])  # only the root: plain decoding
+    assert all(size == 1 for size in sizes["steep", True])
+    assert max(sizes["flat", False]) == 13  # the whole budget (+ root) when verifying is free
+
+
+def test_adaptive_tree_needs_a_cost_curve() -> None:
+    generator = SpeculativeGenerator(_model("llama"), _heads("llama", "eagle", perturbed=False))
+    tree = DynamicTree(adaptive=True)
+    with pytest.raises(ValueError, match="cost curve"):
+        generator.generate(PROMPT, _greedy(tree))

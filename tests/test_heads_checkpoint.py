@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 from transformers import PreTrainedModel
 
@@ -24,6 +25,7 @@ from selfspec.heads import (
     save_heads,
 )
 from selfspec.heads.checkpoint import read_heads_config
+from selfspec.heads.draft_vocab import set_draft_vocab
 
 KINDS = ["medusa", "eagle"]
 
@@ -266,3 +268,51 @@ def test_failed_swap_keeps_the_old_checkpoint(
     monkeypatch.undo()
     assert torch.equal(_outputs(load_heads(path, target=base), base), _outputs(first, base))
     assert _leftovers(tmp_path) == []
+
+
+# -- draft vocabulary ----------------------------------------------------------------------------
+
+
+def _vocab_heads(model: PreTrainedModel, kind: str, ids: list[int]) -> torch.nn.Module:
+    heads = build_heads(heads_config_for(model, kind, num_heads=3, draft_vocab_size=len(ids)))
+    set_draft_vocab(heads, torch.tensor(ids))
+    return heads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_vocabulary_round_trips_as_integers(
+    base: PreTrainedModel, tmp_path: Path, kind: str
+) -> None:
+    ids = [40, 2, 7, 99, 13]
+    save_heads(_vocab_heads(base, kind, ids), tmp_path / "h", fingerprint_of(base))
+    loaded = load_heads(tmp_path / "h", base)
+    assert loaded.draft_vocab.dtype == torch.long
+    assert loaded.draft_vocab.tolist() == sorted(ids)
+    assert read_heads_config(tmp_path / "h")[0].draft_vocab_size == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [([1, 1, 2], "unique"), ([1, 2, 10_000], r"lie in \[0, 101\)"), ([-1, 2, 3], "lie in")],
+)
+def test_bad_draft_vocabulary_is_refused(
+    base: PreTrainedModel, tmp_path: Path, ids: list[int], message: str
+) -> None:
+    heads = _vocab_heads(base, "eagle", [1, 2, 3])
+    path = save_heads(heads, tmp_path / "h", fingerprint_of(base))
+    weights = path / "model.safetensors"
+    state = load_file(str(weights))
+    state["draft_vocab"] = torch.tensor(ids)
+    save_file(state, str(weights))
+    with pytest.raises(HeadsCheckpointError, match=message):
+        load_heads(path, base)
+    with pytest.raises(ValueError, match=message):
+        set_draft_vocab(heads, torch.tensor(ids))
+
+
+def test_heads_without_a_draft_vocabulary_refuse_one(base: PreTrainedModel) -> None:
+    heads = build_heads(heads_config_for(base, "eagle"))
+    with pytest.raises(ValueError, match="draft_vocab_size=0"):
+        set_draft_vocab(heads, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        heads_config_for(base, "eagle", draft_vocab_size=10_000)

@@ -18,6 +18,7 @@ import torch
 
 from selfspec.fingerprint import BaseFingerprint, fingerprint_of
 from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
+from selfspec.heads.draft_vocab import with_draft_vocab
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
@@ -112,6 +113,8 @@ class HeadsModule(L.LightningModule):
             top = counts.topk(min(self.loss_vocab_size, self.target.vocab_size))
             self.loss_vocab = top.indices.sort().values.to(self.device)
             self.loss_vocab_coverage = float(top.values.sum() / counts.sum().clamp(min=1))
+        # The heads draft from exactly the tokens they learnt to rank (and are exported so).
+        self.heads = with_draft_vocab(self.heads, self.loss_vocab).to(self.device)
 
     def _projection(self):
         """The lm_head, restricted to the loss vocabulary when there is one."""

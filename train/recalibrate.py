@@ -37,7 +37,6 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from selfspec.adapters.atomic import write_text_atomic
 from selfspec.adapters.prompts import default_prompts_file, encode_prompts, read_prompt_file
 from selfspec.adapters.robustness import (
     BASE,
@@ -49,6 +48,7 @@ from selfspec.adapters.robustness import (
 )
 from selfspec.adapters.select import select_adapter
 from selfspec.adapters.validate import HEADS_DIR
+from selfspec.atomic import write_text_atomic
 from selfspec.cli_args import parse_dataclass
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads, save_heads

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from selfspec.atomic import replace_dir, staging_dir_for
+from selfspec.atomic import replace_dir, staging_dir_for, write_text_atomic
 
 SHARD_META = "shard.json"
 MANIFEST = "distill.json"
@@ -79,11 +77,7 @@ def write_shard(path: Path, columns: dict[str, Any], meta: dict[str, Any], featu
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Atomic JSON write (temp file beside ``path``, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def load_distilled(path: str | Path):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
+from selfspec.drafting.projection import DraftProjection
+from selfspec.heads.draft_vocab import draft_vocab_of
 from selfspec.heads.eagle import EagleCache, EagleHead
 from selfspec.target_forward import TargetForward
 from selfspec.tree import Tree
@@ -27,6 +29,7 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, target: TargetForward) -> None:
         self.head = head
         self.target = target
+        self.projection = DraftProjection(target.lm_head, draft_vocab_of(head))
 
     def start(
         self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int
@@ -65,7 +68,7 @@ class EagleDrafter:
 
         def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
             if frontier == [0]:
-                return self.target.logits(state.root_feature)[None]  # [1, vocab]
+                return self.projection.logits(state.root_feature)[None]  # [1, N]
             tokens = torch.tensor([tree.tokens[n] for n in frontier], device=device)
             parent_features = torch.stack([predicted[tree.parents[n]] for n in frontier])  # [F, H]
             positions = torch.tensor([committed + tree.depths[n] for n in frontier], device=device)
@@ -80,10 +83,10 @@ class EagleDrafter:
             for i, node in enumerate(frontier):
                 predicted[node] = out[i]
             slot_nodes.extend(frontier)
-            return self.target.logits(out)  # [F, vocab]
+            return self.projection.logits(out)  # [F, N]
 
         try:
-            return grow_tree(root_token, expand, plan, generator)
+            return grow_tree(root_token, expand, plan, generator, self.projection)
         finally:
             state.cache.crop(committed)  # drafted entries never outlive the step
 

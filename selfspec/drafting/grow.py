@@ -1,17 +1,24 @@
 """Grow a draft tree, static or dynamic, from any head that can score a frontier of nodes.
 
-The head is reached through ``expand(tree, frontier) -> draft logits # [F, vocab]`` for the
+The head is reached through ``expand(tree, frontier) -> draft logits # [F, N]`` for the
 children of each frontier node, so Medusa (one distribution per depth) and EAGLE (one forward per
-depth) share the same growth, scoring and selection.
+depth) share the same growth, scoring and selection. N is the draft vocabulary (the whole
+vocabulary unless the heads carry a smaller one); ``projection`` maps draws back to token ids.
+
+A dynamic tree's size is either fixed (its ``budget``) or chosen per step by a ``TreeSizer``
+from the measured cost of verification (see ``sizing.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.drafting.projection import DraftProjection
+from selfspec.drafting.sizing import TreeSizer
 from selfspec.sampling import SamplingParams, warp_probs
 from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
 
@@ -23,6 +30,8 @@ class DraftPlan:
     tree: TreeSpec
     sampling: DraftSampling = DraftSampling.TOP_K
     params: SamplingParams = SamplingParams()
+    sizer: TreeSizer | None = None
+    """Dynamic trees only: chooses depth and size per step; None keeps ``tree.budget`` nodes."""
 
 
 @dataclass
@@ -35,8 +44,8 @@ class GrowingTree:
     ranks: list[int] = field(default_factory=lambda: [0])
     scores: list[float] = field(default_factory=lambda: [0.0])
     expanded_row: list[int] = field(default_factory=lambda: [-1])
-    prob_rows: list[torch.Tensor] = field(default_factory=list)  # each [vocab]
-    draw_rows: list[torch.Tensor] = field(default_factory=list)  # each [k]
+    prob_rows: list[torch.Tensor] = field(default_factory=list)  # each [N]
+    draw_rows: list[torch.Tensor] = field(default_factory=list)  # each [k] token ids
 
     @property
     def size(self) -> int:
@@ -56,13 +65,13 @@ ExpandFn = Callable[[GrowingTree, list[int]], torch.Tensor]
 
 
 def draw_children(
-    logits: torch.Tensor,  # [F, vocab]
+    logits: torch.Tensor,  # [F, N]
     k: int,
     plan: DraftPlan,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k children per row: tokens # [F, k] (-1 where none could be drawn), their draft
-    log-probs # [F, k] for scoring, and the distribution they were drawn from # [F, vocab]."""
+    """k children per row: indices into the N columns # [F, k] (-1 where none could be drawn),
+    their draft log-probs # [F, k] for scoring, and the distribution drawn from # [F, N]."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, logits.shape[-1])
     if plan.sampling is DraftSampling.TOP_K or plan.params.greedy:
@@ -83,10 +92,12 @@ def _expand_frontier(
     expand: ExpandFn,
     plan: DraftPlan,
     generator: torch.Generator | None,
+    projection: DraftProjection | None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Draw k children for each frontier node; record the draft rows. Returns tokens, logprobs."""
-    logits = expand(tree, frontier)  # [F, vocab]
-    tokens, logprobs, probs = draw_children(logits, k, plan, generator)
+    logits = expand(tree, frontier)  # [F, N]
+    indices, logprobs, probs = draw_children(logits, k, plan, generator)
+    tokens = indices if projection is None else projection.token_ids(indices)  # [F, k]
     for i, node in enumerate(frontier):
         tree.expanded_row[node] = len(tree.prob_rows)
         tree.prob_rows.append(probs[i])
@@ -100,11 +111,18 @@ def grow_dynamic(
     spec: DynamicTree,
     plan: DraftPlan,
     generator: torch.Generator | None,
+    projection: DraftProjection | None = None,
 ) -> Tree:
     tree = GrowingTree(tokens=[root_token])
     frontier = [0]
+    if spec.adaptive and plan.sizer is None:
+        raise ValueError("an adaptive tree needs a TreeSizer (a generator with a cost curve)")
+    sizer = plan.sizer if spec.adaptive else None
+    started = time.perf_counter()
     for depth in range(1, spec.depth + 1):
-        tokens, logprobs = _expand_frontier(tree, frontier, spec.top_k, expand, plan, generator)
+        tokens, logprobs = _expand_frontier(
+            tree, frontier, spec.top_k, expand, plan, generator, projection
+        )
         new_nodes = [
             tree.add(parent, token, rank, logprob)
             for parent, row_tokens, row_logprobs in zip(frontier, tokens, logprobs, strict=True)
@@ -116,11 +134,23 @@ def grow_dynamic(
         # Expand the most confident new nodes next (stable: ties keep creation order).
         frontier = sorted(new_nodes, key=lambda n: -tree.scores[n])[: spec.top_k]
         frontier.sort()
-    # Keep the best `budget` drafted nodes. A child never outscores its parent (log-probs <= 0)
-    # and ties keep creation order, so every kept node's parent is kept too.
+        if sizer is not None and not sizer.grow_deeper(
+            tree.scores[1:],
+            [tree.scores[n] for n in frontier],
+            time.perf_counter() - started,
+            depth,
+            spec,
+        ):
+            break
+    # Keep the best drafted nodes. A child never outscores its parent (log-probs <= 0) and ties
+    # keep creation order, so every kept node's parent is kept too.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
-    keep = [0, *sorted(ranked[: spec.budget])]
-    return _finish(tree, keep, plan, pruned=len(keep) < tree.size)
+    budget = spec.budget
+    if sizer is not None:
+        scores = [tree.scores[n] for n in ranked[:budget]]
+        budget = sizer.keep(scores, time.perf_counter() - started)
+    keep = [0, *sorted(ranked[:budget])]
+    return _finish(tree, keep, plan, projection, pruned=len(keep) < tree.size)
 
 
 def grow_static(
@@ -129,6 +159,7 @@ def grow_static(
     spec: StaticTree,
     plan: DraftPlan,
     generator: torch.Generator | None,
+    projection: DraftProjection | None = None,
 ) -> Tree:
     tree = GrowingTree(tokens=[root_token])
     node_of: dict[tuple[int, ...], int] = {(): 0}
@@ -140,7 +171,9 @@ def grow_static(
             break
         frontier = [node_of[p] for p in parents]
         width = 1 + max(p[-1] for p in layer)
-        tokens, logprobs = _expand_frontier(tree, frontier, width, expand, plan, generator)
+        tokens, logprobs = _expand_frontier(
+            tree, frontier, width, expand, plan, generator, projection
+        )
         row_of = {parent: i for i, parent in enumerate(parents)}
         for prefix in layer:  # sorted by (parent prefix, rank): siblings in draw order
             row, rank = row_of[prefix[:-1]], prefix[-1]
@@ -148,18 +181,28 @@ def grow_static(
                 node_of[prefix] = tree.add(
                     node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
                 )
-    return _finish(tree, list(range(tree.size)), plan)
+    return _finish(tree, list(range(tree.size)), plan, projection)
 
 
 def grow_tree(
-    root_token: int, expand: ExpandFn, plan: DraftPlan, generator: torch.Generator | None
+    root_token: int,
+    expand: ExpandFn,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
+    projection: DraftProjection | None = None,
 ) -> Tree:
     if isinstance(plan.tree, StaticTree):
-        return grow_static(root_token, expand, plan.tree, plan, generator)
-    return grow_dynamic(root_token, expand, plan.tree, plan, generator)
+        return grow_static(root_token, expand, plan.tree, plan, generator, projection)
+    return grow_dynamic(root_token, expand, plan.tree, plan, generator, projection)
 
 
-def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan, pruned: bool = False) -> Tree:
+def _finish(
+    tree: GrowingTree,
+    keep: list[int],
+    plan: DraftPlan,
+    projection: DraftProjection | None,
+    pruned: bool = False,
+) -> Tree:
     """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents.
 
     A sampled child that survived pruning was kept *because of its value*, so it is no longer
@@ -168,7 +211,11 @@ def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan, pruned: bool = 
     """
     new_index = {old: new for new, old in enumerate(keep)}
     device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")
-    vocab = tree.prob_rows[0].shape[-1] if tree.prob_rows else 0
+    vocab = (
+        projection.vocab_size
+        if projection is not None
+        else (tree.prob_rows[0].shape[-1] if tree.prob_rows else 0)
+    )
     width = max((int(r.shape[0]) for r in tree.draw_rows), default=1)
     draws = torch.full((max(len(tree.draw_rows), 1), width), -1, dtype=torch.long, device=device)
     for i, row in enumerate(tree.draw_rows):
@@ -177,11 +224,11 @@ def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan, pruned: bool = 
         plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy and not pruned
     )
     # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
-    probs = (
-        torch.stack(tree.prob_rows)
-        if (sampled and tree.prob_rows)
-        else torch.zeros(0, vocab, device=device)
-    )
+    if sampled and tree.prob_rows:
+        probs = torch.stack(tree.prob_rows)  # [E, N]
+        probs = probs if projection is None else projection.to_full(probs)  # [E, vocab]
+    else:
+        probs = torch.zeros(0, vocab, device=device)
 
     def column(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
@@ -195,4 +242,5 @@ def _finish(tree: GrowingTree, keep: list[int], plan: DraftPlan, pruned: bool = 
         draft_probs=probs,
         draws=draws,
         sampling=DraftSampling.WITHOUT_REPLACEMENT if sampled else DraftSampling.TOP_K,
+        scores=torch.tensor([tree.scores[n] for n in keep], device=device),
     )

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
+from selfspec.drafting.projection import DraftProjection
+from selfspec.heads.draft_vocab import draft_vocab_of
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.target_forward import TargetForward
 from selfspec.tree import StaticTree, Tree
@@ -21,6 +23,7 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, target: TargetForward) -> None:
         self.heads = heads
         self.target = target
+        self.projection = DraftProjection(target.lm_head, draft_vocab_of(heads))
 
     def start(
         self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int
@@ -40,13 +43,13 @@ class MedusaDrafter:
             kind = "static" if isinstance(plan.tree, StaticTree) else "dynamic"
             raise ValueError(f"{kind} tree depth {depth} exceeds the {num_heads} Medusa heads")
         # Head k predicts the children of nodes at depth k (the root's children: head 0).
-        head_logits = self.target.logits(self.heads(state.feature))  # [K, vocab]
+        head_logits = self.projection.logits(self.heads(state.feature))  # [K, N]
 
         def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
             depths = torch.tensor([tree.depths[n] for n in frontier], device=head_logits.device)
-            return head_logits[depths]  # [F, vocab]
+            return head_logits[depths]  # [F, N]
 
-        return grow_tree(root_token, expand, plan, generator)
+        return grow_tree(root_token, expand, plan, generator, self.projection)
 
     def advance(
         self,

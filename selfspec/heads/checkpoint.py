@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from selfspec.atomic import replace_dir, staging_dir_for
 from selfspec.fingerprint import BaseFingerprint, check_compatible, fingerprint_of
 from selfspec.heads.config import HeadsConfig
+from selfspec.heads.draft_vocab import BUFFER, check_draft_vocab
 from selfspec.heads.factory import DraftHeads, build_heads
 
 FORMAT = "selfspec-heads"
@@ -52,8 +53,10 @@ def save_heads(
     }
     staging = staging_dir_for(path)
     try:
-        state = {
-            name: t.detach().to("cpu", torch.float32).contiguous()
+        state = {  # floats as float32; integer buffers (the draft vocabulary) as they are
+            name: t.detach()
+            .to("cpu", torch.float32 if t.is_floating_point() else t.dtype)
+            .contiguous()
             for name, t in heads.state_dict().items()
         }
         save_file(state, str(staging / WEIGHTS_FILE))
@@ -130,6 +133,14 @@ def load_heads(
             f"{weights_path} does not match its config: missing {missing}, "
             f"unexpected {unexpected}, wrong shape {wrong}"
         )
+    vocab = state.get(BUFFER)
+    if vocab is not None:
+        try:
+            state[BUFFER] = check_draft_vocab(
+                vocab, heads_config.vocab_size, heads_config.draft_vocab_size
+            )
+        except ValueError as error:
+            raise HeadsCheckpointError(f"{weights_path}: {error}") from error
     heads.load_state_dict(state)
     if target is not None:
         embed = target.get_input_embeddings().weight

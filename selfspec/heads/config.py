@@ -34,6 +34,11 @@ class HeadsConfig:
     rope_theta: float = 10000.0
     """EAGLE: rotary base of its own positional encoding."""
     norm_eps: float = 1e-6
+    draft_vocab_size: int = 0
+    """0: the heads draft from the whole vocabulary. N > 0: they draft only from N token ids,
+    stored with the weights as ``draft_vocab`` (the training data's most frequent tokens), so
+    each draft depth projects onto N rows of the lm_head instead of all of them. Verification
+    still uses the target's full vocabulary: output is unchanged, only drafting gets cheaper."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", HeadKind(self.kind))
@@ -44,6 +49,11 @@ class HeadsConfig:
             raise ValueError(
                 f"EAGLE num_attention_heads={self.num_attention_heads} must divide "
                 f"hidden_size={self.hidden_size}"
+            )
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
+                f"got {self.draft_vocab_size}"
             )
         if self.intermediate_size < 0:
             raise ValueError(f"intermediate_size must be >= 0, got {self.intermediate_size}")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.heads.config import HeadKind, HeadsConfig
+from selfspec.heads.draft_vocab import register_draft_vocab
 
 
 @dataclass
@@ -116,6 +117,7 @@ class EagleHead(nn.Module):
             self.fuse.weight[:, hidden:] = torch.eye(hidden)
             self.fuse.bias.zero_()
         self.layers = nn.ModuleList(EagleDecoderLayer(config) for _ in range(config.num_layers))
+        register_draft_vocab(self, config)
 
     def forward(
         self,

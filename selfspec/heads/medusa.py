@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from selfspec.heads.config import HeadKind, HeadsConfig
+from selfspec.heads.draft_vocab import register_draft_vocab
 
 
 class ResidualBlock(nn.Module):
@@ -35,6 +36,7 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*(ResidualBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
         )
+        register_draft_vocab(self, config)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """# [..., H] -> [..., K, H]: head k's feature, to be projected by the target's lm_head."""

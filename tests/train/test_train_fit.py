@@ -70,6 +70,9 @@ def test_loss_vocabulary_restricts_the_projection(
     assert module.loss_vocab is not None and module.loss_vocab.shape == (10,)
     assert 0 < module.loss_vocab_coverage <= 1
     assert module._projection()(torch.zeros(3, 32)).shape == (3, 10)
+    # The heads draft from exactly that vocabulary, and export it.
+    assert module.heads.config.draft_vocab_size == 10
+    assert torch.equal(module.heads.draft_vocab, module.loss_vocab)
 
 
 def test_only_head_parameters_train_and_checkpoint(

@@ -1,0 +1,253 @@
+"""Side-by-side decoding speed on the embedded default model: baselines and selfspec, one process.
+
+Every method runs on every prompt, prompt-major (prompt 1 through all methods, then prompt 2 ...),
+so background noise on a shared machine spreads over all of them alike. Reported per method:
+tokens/s (new tokens over the whole generate call, prefill included, for every method alike), τ,
+speedup over the faster vanilla HF baseline (fp32 or bf16) and over HF prompt-lookup decoding
+(the faster dtype), and how many outputs equal vanilla greedy in the same dtype.
+
+    .venv/bin/python benchmarks/speed.py --num-prompts 8 --max-new-tokens 96 --out runs/speed
+
+Greedy, batch 1. In fp32, speculative output equals vanilla token for token. In bf16 the two
+forward shapes (1 token vs a tree) round differently, so near-ties (top-2 logits within bf16
+rounding) can flip: the `equal` column counts them instead of hiding them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_model
+from selfspec.generation import GenerationConfig, SpeculativeGenerator
+from selfspec.heads import load_heads
+from selfspec.shipped import resolve_heads_dir
+from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, cache_root, load_target
+from selfspec.target_forward import TargetForward
+from selfspec.tree import DynamicTree, TreeSpec, parse_tree_spec
+
+HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
+
+
+@dataclass
+class Method:
+    name: str
+    dtype: str
+    run: Callable[[list[int]], tuple[list[int], float]]
+    """prompt ids -> (new token ids, τ)"""
+    kind: str  # "hf", "lookup", "vanilla", "speculative"
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def hf_generate(target: LoadedTarget, max_new: int, lookup: int = 0) -> Callable:
+    model = target.model
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+    def run(prompt: list[int]) -> tuple[list[int], float]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                pad_token_id=target.tokenizer.eos_token_id,
+                **extra,
+            )
+        return out[0, len(prompt) :].tolist(), float("nan")
+
+    return run
+
+
+def selfspec_generate(
+    generator: SpeculativeGenerator, max_new: int, speculate: bool, tree: TreeSpec | None
+) -> Callable:
+    config = GenerationConfig(max_new_tokens=max_new, speculate=speculate, tree=tree)
+
+    def run(prompt: list[int]) -> tuple[list[int], float]:
+        result = generator.generate(prompt, config)
+        return result.token_ids, result.stats.tau
+
+    return run
+
+
+def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, CostCurve]]:
+    methods: list[Method] = []
+    curves: dict[str, CostCurve] = {}
+    trees = {name: parse_tree_spec(text) for name, text in (t.split("=", 1) for t in args.trees)}
+    for dtype in args.dtypes:
+        target = load_target(TargetSpec(dtype=dtype, threads=args.threads))
+        curve = cached_cost_curve(TargetForward(target.model), cache_root())
+        curves[dtype] = curve
+        n = args.max_new_tokens
+        methods.append(Method("HF generate", dtype, hf_generate(target, n), "hf"))
+        methods.append(
+            Method(
+                f"HF prompt lookup ({args.lookup})",
+                dtype,
+                hf_generate(target, n, args.lookup),
+                "lookup",
+            )
+        )
+        vanilla = SpeculativeGenerator(target.model, None, target.tokenizer)
+        methods.append(
+            Method("selfspec vanilla", dtype, selfspec_generate(vanilla, n, False, None), "vanilla")
+        )
+        for spec in args.heads:
+            heads = load_heads(resolve_heads_dir(spec, True), target.model)
+            label = Path(spec).name if Path(spec).is_dir() else spec
+            generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
+            deepest = heads.config.num_heads if heads.config.kind.value == "medusa" else None
+            for tree_name, tree in trees.items():
+                if deepest is not None and tree is not None and tree.depth > deepest:
+                    if not isinstance(tree, DynamicTree):
+                        continue  # a static tree deeper than the Medusa heads: not runnable
+                    tree = replace(tree, depth=deepest)
+                runner = selfspec_generate(generator, n, True, tree)
+                methods.append(
+                    Method(f"selfspec {label} {tree_name}", dtype, runner, "speculative")
+                )
+    return methods, curves
+
+
+def read_prompts(path: Path, count: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row["prompt"] for row in rows[:count]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=Path, default=HELDOUT, help="JSONL of {prompt: ...}")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--heads", nargs="+", default=["eagle", "medusa"], help="'eagle', 'medusa' or heads dirs"
+    )
+    parser.add_argument(
+        "--trees",
+        nargs="+",
+        default=[
+            "adaptive=adaptive",
+            "dynamic-8=dynamic:4,4,8",
+            "dynamic-24=dynamic:4,5,24",
+            "static=static",
+        ],
+        help="NAME=TREE_SPEC pairs (see `selfspec generate --tree`)",
+    )
+    parser.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--out", type=Path, default=Path("runs/speed"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    methods, curves = build_methods(args)
+    tokenizer = load_target(TargetSpec()).tokenizer
+    prompt_ids = [apply_chat_template(tokenizer, p) for p in prompts]
+    for method in methods:  # warm-up: first calls pay for allocation and kernel selection
+        method.run(prompt_ids[0][:16])
+    with tqdm(total=len(prompts) * len(methods), desc="speed", unit="run") as bar:
+        for ids in prompt_ids:
+            for method in methods:
+                started = time.perf_counter()
+                tokens, tau = method.run(ids)
+                method.seconds.append(time.perf_counter() - started)
+                method.tokens.append(len(tokens))
+                method.taus.append(tau)
+                method.outputs.append(tokens)
+                bar.update()
+    report = summarise(methods, curves, args, prompts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speed.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (args.out / "speed.md").write_text(table)
+    print(table)
+    return 0
+
+
+def summarise(
+    methods: list[Method], curves: dict[str, CostCurve], args: argparse.Namespace, prompts: list
+) -> dict:
+    def rate(m: Method) -> float:
+        return sum(m.tokens) / sum(m.seconds)
+
+    baseline = max((m for m in methods if m.kind == "hf"), key=rate)
+    lookup = max((m for m in methods if m.kind == "lookup"), key=rate)
+    vanilla = {m.dtype: m for m in methods if m.kind == "vanilla"}
+    rows = []
+    for m in methods:
+        reference = vanilla[m.dtype].outputs
+        equal = sum(out == ref for out, ref in zip(m.outputs, reference, strict=True))
+        taus = [t for t in m.taus if t == t]
+        rows.append(
+            {
+                "method": m.name,
+                "dtype": m.dtype,
+                "tokens_per_second": round(rate(m), 2),
+                "tau": round(statistics.mean(taus), 2) if taus else None,
+                "speedup_vs_hf": round(rate(m) / rate(baseline), 2),
+                "speedup_vs_lookup": round(rate(m) / rate(lookup), 2),
+                "equal_to_vanilla": f"{equal}/{len(reference)}",
+                "new_tokens": sum(m.tokens),
+                "seconds": round(sum(m.seconds), 2),
+            }
+        )
+    return {
+        "machine": {
+            "cpu": cpu_model(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d"),
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "baseline": f"{baseline.name} ({baseline.dtype})",
+        "lookup_baseline": f"{lookup.name} ({lookup.dtype})",
+        "cost_curves": {d: c.relative() for d, c in curves.items()},
+        "rows": rows,
+    }
+
+
+def markdown(report: dict) -> str:
+    machine = report["machine"]
+    lines = [
+        f"Speed, greedy, batch 1: {report['prompts']} held-out prompts x {report['max_new_tokens']} "
+        f"new tokens; {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+        f"{report['date']}. Baselines: {report['baseline']}, {report['lookup_baseline']}.",
+        "",
+        "| method | dtype | tok/s | τ | × HF | × lookup | equal to vanilla |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        lines.append(
+            f"| {r['method']} | {r['dtype']} | {r['tokens_per_second']:.1f} | {tau} | "
+            f"{r['speedup_vs_hf']:.2f} | {r['speedup_vs_lookup']:.2f} | {r['equal_to_vanilla']} |"
+        )
+    lines.append("")
+    for dtype, relative in report["cost_curves"].items():
+        curve = ", ".join(f"{size}: {cost:.2f}" for size, cost in relative.items())
+        lines.append(f"Verification cost vs tree tokens ({dtype}, relative to 1 token): {curve}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

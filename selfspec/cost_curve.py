@@ -1,0 +1,157 @@
+"""The verification cost curve: seconds of one target forward (body + lm_head) per tree size.
+
+How the cost grows with the number of tree tokens depends on the machine, the dtype and the
+thread count (on a CPU without native bf16 a 16-token forward can cost 2x a 1-token forward; with
+AMX it costs barely more), so it is measured, not assumed: once per (model, dtype, threads,
+torch, CPU) and cached as JSON beside the converted targets. The tree sizer reads it to choose
+how many draft tokens a step should verify.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from selfspec.atomic import write_text_atomic
+from selfspec.fingerprint import fingerprint_of
+from selfspec.target_forward import TargetForward
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+FORMAT = "selfspec-cost-curve"
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Measured forward seconds at a few tree sizes; linear in between and beyond."""
+
+    sizes: tuple[int, ...]
+    """Tree tokens per forward (root included), ascending, starting at 1."""
+    seconds: tuple[float, ...]
+    """Median seconds of one verification forward at each size."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+        object.__setattr__(self, "seconds", tuple(float(s) for s in self.seconds))
+        if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds):
+            raise ValueError("a cost curve needs >= 2 sizes and one time per size")
+        if list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"cost curve sizes must be ascending and >= 1, got {self.sizes}")
+        if any(not s > 0 for s in self.seconds):
+            raise ValueError(f"cost curve seconds must be > 0, got {self.seconds}")
+        # A later size never costs less than an earlier one (timing noise can say otherwise).
+        running = list(self.seconds)
+        for i in range(1, len(running)):
+            running[i] = max(running[i], running[i - 1])
+        object.__setattr__(self, "seconds", tuple(running))
+
+    def at(self, size: int) -> float:
+        """Seconds of a forward over ``size`` tree tokens. # scalar"""
+        sizes, seconds = self.sizes, self.seconds
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:
+            return seconds[i]
+        lo, hi = (len(sizes) - 2, len(sizes) - 1) if i >= len(sizes) else (max(i - 1, 0), max(i, 1))
+        slope = (seconds[hi] - seconds[lo]) / (sizes[hi] - sizes[lo])
+        return max(seconds[lo] + slope * (size - sizes[lo]), seconds[0])
+
+    def relative(self) -> dict[int, float]:
+        """Cost of each measured size relative to a 1-token forward."""
+        return {s: t / self.at(1) for s, t in zip(self.sizes, self.seconds, strict=True)}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> CostCurve:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a cost curve (format != {FORMAT!r})")
+        return cls(sizes=tuple(data["sizes"]), seconds=tuple(data["seconds"]))  # type: ignore[arg-type]
+
+
+def measure_cost_curve(
+    target: TargetForward,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    context: int = 128,
+    repeats: int = 5,
+) -> CostCurve:
+    """Time verification forwards (a chain-shaped tree mask over ``context`` cached tokens)."""
+    device, dtype = target.device, target.dtype
+    generator = torch.Generator().manual_seed(0)
+    vocab = target.vocab_size
+    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(device)
+    seconds = []
+    with torch.inference_mode():
+        cache = target.new_cache()
+        target.features(prompt, torch.arange(context, device=device)[None], cache)
+        for size in sizes:
+            tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
+            positions = torch.arange(context, context + size, device=device)[None]
+            mask = torch.zeros(1, 1, size, context + size, dtype=dtype, device=device)
+            blocked = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+            mask[0, 0, :, context:].masked_fill_(blocked, torch.finfo(dtype).min)
+            times = []
+            for run in range(repeats + 1):
+                started = time.perf_counter()
+                features = target.features(tokens, positions, cache, mask)
+                target.logits(features)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - started
+                cache.crop(-size)  # negative: drop the tree's entries again
+                if run:  # the first run warms up
+                    times.append(elapsed)
+            seconds.append(statistics.median(times))
+    return CostCurve(sizes=tuple(sizes), seconds=tuple(seconds))
+
+
+def cached_cost_curve(
+    target: TargetForward, cache_dir: Path, sizes: Sequence[int] = DEFAULT_SIZES
+) -> CostCurve:
+    """The curve for this model, dtype, thread count and machine: read from ``cache_dir`` or
+    measured (a few seconds) and written there."""
+    path = cache_dir / f"cost-curve-{_machine_key(target, sizes)}.json"
+    if path.is_file():
+        try:
+            return CostCurve.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as error:  # a damaged cache is remeasured
+            logger.warning("ignoring unreadable cost curve %s: %s", path, error)
+    logger.info("measuring the verification cost curve (cached in %s)", path)
+    curve = measure_cost_curve(target, sizes)
+    write_text_atomic(path, json.dumps(curve.to_dict(), indent=2) + "\n")
+    return curve
+
+
+def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
+    parts = [
+        fingerprint_of(target.model).describe(),
+        str(target.dtype),
+        str(target.device),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        platform.machine(),
+        cpu_model(),
+        ",".join(map(str, sizes)),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

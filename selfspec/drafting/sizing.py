@@ -1,0 +1,70 @@
+"""Choosing a dynamic tree's depth and size per step from the measured cost of verification.
+
+A step that verifies the tree S commits, in expectation, ``1 + sum_{v in S} P(v accepted)``
+tokens (the bonus token plus every accepted draft: acceptance of a node is an event, and the
+accepted length counts the accepted nodes). The draft's cumulative probability of a node
+estimates P(v accepted); the estimate is scaled by a per-request calibration (accepted drafts /
+predicted drafts so far), since heads can be over- or under-confident. The step costs the
+drafting already done plus one verification forward over |S| + 1 tokens, read off the cost curve.
+
+``keep`` picks the number of best-scored nodes that maximises expected tokens per second (zero
+nodes is plain decoding); ``grow_deeper`` drafts another depth only if what it could add (at most
+the frontier's probability mass) is worth its time at the rate already reachable. EAGLE-2 takes a
+fixed size from a short list tuned by timing; this chooses per step, from this machine's curve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from selfspec.cost_curve import CostCurve
+from selfspec.tree import DynamicTree
+
+
+@dataclass(frozen=True)
+class TreeSizer:
+    curve: CostCurve
+    calibration: float = 1.0
+    """Observed / predicted accepted drafts of this request so far (1: trust the draft)."""
+
+    def keep(self, scores: list[float], drafting_seconds: float) -> int:
+        """How many of the nodes to verify. scores: cumulative draft log-probs, best first."""
+        return self._best(scores, drafting_seconds)[0]
+
+    def grow_deeper(
+        self,
+        scores: list[float],
+        frontier: list[float],
+        drafting_seconds: float,
+        depth: int,
+        spec: DynamicTree,
+    ) -> bool:
+        """Whether drafting depth ``depth + 1`` (expanding ``frontier``) can pay for itself.
+        scores: every drafted node's cumulative log-prob; frontier: those to be expanded."""
+        ranked = sorted(scores, reverse=True)[: spec.budget]
+        size, rate = self._best(ranked, drafting_seconds)
+        gain = 1.0 + sum(self._accept(s) for s in ranked[:size])
+        added = sum(self._accept(s) for s in frontier)  # children never outweigh their parent
+        new_nodes = min(len(frontier) * spec.top_k, spec.budget - size)
+        if new_nodes <= 0:
+            return False
+        per_depth = drafting_seconds / depth
+        deeper = (gain + added) / (
+            drafting_seconds + per_depth + self.curve.at(size + new_nodes + 1)
+        )
+        return deeper > rate
+
+    def _accept(self, score: float) -> float:
+        return min(1.0, self.calibration * math.exp(score))
+
+    def _best(self, scores: list[float], drafting_seconds: float) -> tuple[int, float]:
+        """(size, expected tokens per second) of the best prefix of ``scores``."""
+        best_size, gain = 0, 1.0
+        best_rate = gain / (drafting_seconds + self.curve.at(1))
+        for size, score in enumerate(scores, start=1):
+            gain += self._accept(score)
+            rate = gain / (drafting_seconds + self.curve.at(size + 1))
+            if rate > best_rate:
+                best_size, best_rate = size, rate
+        return best_size, best_rate

@@ -1,0 +1,97 @@
+"""The verification cost curve (measured, cached) and the tree sizer that reads it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from tiny_models import make_tiny_model
+
+import selfspec.cost_curve as cost_curve_module
+from selfspec.cost_curve import CostCurve, cached_cost_curve
+from selfspec.drafting.sizing import TreeSizer
+from selfspec.target_forward import TargetForward
+from selfspec.tree import DynamicTree
+
+
+def test_interpolates_and_extrapolates_linearly() -> None:
+    curve = CostCurve(sizes=(1, 4, 8), seconds=(1.0, 1.3, 2.1))
+    assert curve.at(1) == 1.0
+    assert curve.at(2) == pytest.approx(1.1)
+    assert curve.at(6) == pytest.approx(1.7)
+    assert curve.at(16) == pytest.approx(2.1 + 0.2 * 8)
+    assert curve.relative()[8] == pytest.approx(2.1)
+
+
+def test_noise_never_makes_a_larger_tree_cheaper() -> None:
+    curve = CostCurve(sizes=(1, 2, 4), seconds=(1.0, 0.9, 1.2))
+    assert curve.seconds == (1.0, 1.0, 1.2)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "seconds"),
+    [
+        ((1,), (1.0,)),
+        ((2, 1), (1.0, 1.0)),
+        ((0, 1), (1.0, 1.0)),
+        ((1, 2), (1.0, 0.0)),
+        ((1, 2), (1.0,)),
+    ],
+)
+def test_invalid_curves_are_refused(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="cost curve"):
+        CostCurve(sizes=sizes, seconds=seconds)
+
+
+def test_measured_once_then_read_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = TargetForward(make_tiny_model("llama"))
+    curve = cached_cost_curve(target, tmp_path, sizes=(1, 2, 4))
+    assert curve.sizes == (1, 2, 4) and all(s > 0 for s in curve.seconds)
+    (written,) = tmp_path.glob("cost-curve-*.json")
+
+    def never(*args: object, **kwargs: object) -> CostCurve:
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(cost_curve_module, "measure_cost_curve", never)
+    assert cached_cost_curve(target, tmp_path, sizes=(1, 2, 4)) == curve
+    # A damaged cache file is measured again and replaced, not trusted.
+    written.write_text("{not json")
+    monkeypatch.undo()
+    again = cached_cost_curve(target, tmp_path, sizes=(1, 2, 4))
+    assert json.loads(written.read_text())["sizes"] == [1, 2, 4] and again.sizes == (1, 2, 4)
+
+
+def _log(probs: list[float]) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+def test_sizer_keeps_nodes_while_they_pay_for_their_verification() -> None:
+    # 1-token forward 10 ms, +1 ms per extra tree token; nothing spent drafting.
+    curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
+    sizer = TreeSizer(curve)
+    # A node adds p tokens for 1 ms: it pays while p exceeds the rate reached so far times 1 ms.
+    # 3 nodes: 3.2 tokens / 13 ms = 246/s, so the 4th (p=0.2 < 0.246) is not worth it.
+    scores = _log([0.9, 0.8, 0.5, 0.2, 0.05, 0.01])
+    assert sizer.keep(scores, drafting_seconds=0.0) == 3
+    # With 50 ms of drafting spent the rate is ~51/s, so p=0.2 pays and p=0.05 does not.
+    assert sizer.keep(scores, drafting_seconds=0.050) == 4
+    # A draft known to be 10x over-confident is not worth verifying at all: plain decoding.
+    assert TreeSizer(curve, calibration=0.1).keep(scores, 0.0) == 0
+    assert sizer.keep([], 0.0) == 0
+
+
+def test_sizer_stops_drafting_when_another_depth_cannot_pay() -> None:
+    curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
+    spec = DynamicTree(top_k=2, depth=6, budget=20)
+    sizer = TreeSizer(curve)
+    confident = _log([0.9, 0.8])
+    # A confident frontier is worth a 2 ms draft depth; a hopeless one is not.
+    assert sizer.grow_deeper(confident, _log([0.8, 0.7]), 0.002, depth=1, spec=spec)
+    assert not sizer.grow_deeper(confident, _log([1e-3, 1e-4]), 0.002, depth=1, spec=spec)
+    # With the budget already used by better nodes, nothing deeper can be kept.
+    full = DynamicTree(top_k=2, depth=6, budget=2)
+    assert not sizer.grow_deeper(confident, _log([0.8, 0.7]), 0.002, depth=1, spec=full)
