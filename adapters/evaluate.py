@@ -18,6 +18,7 @@ from selfspec.adapters.robustness import (
 from selfspec.adapters.select import store_for
 from selfspec.adapters.validate import META_FILE
 from selfspec.atomic import write_text_atomic
+from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.shipped import resolve_heads_dir
@@ -41,14 +42,16 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
             + (f" (rejected: {store.rejected})" if store.rejected else "")
         )
     settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree=parse_tree_spec(args.tree))
-    shared = SpeculativeGenerator(model, heads, target.tokenizer)
+    curve = machine_cost_curve(model) if needs_cost_curve(settings.tree) else None
+    shared = SpeculativeGenerator(model, heads, target.tokenizer, curve)
     rows = [measure(shared, prompts, settings, scope=store.scope(None), name=BASE)]
     for name in names:
         info = store.info(name)
         generator, heads_kind = shared, "base"
         if info.heads_path is not None:  # heads recalibrated for this adapter
             own = load_heads(info.heads_path, model)
-            generator, heads_kind = SpeculativeGenerator(model, own, target.tokenizer), "own"
+            generator = SpeculativeGenerator(model, own, target.tokenizer, curve)
+            heads_kind = "own"
         with store.pinned(name):
             rows.append(
                 measure(

@@ -37,14 +37,23 @@ class GenerateArgs:
     seed: int | None = field(default=None, metadata={"help": "seed of the request's generator"})
     tree: str = field(
         default="auto",
-        metadata={"help": "auto | static | chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"},
+        metadata={
+            "help": "auto (adaptive) | adaptive[:TOP_K,DEPTH,MAX_BUDGET] | static | chain:D | "
+            "dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"
+        },
     )
     draft_sampling: DraftSampling = field(
         default=DraftSampling.TOP_K, metadata={"help": "how children are drawn when sampling"}
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
-    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "float32 (exact: speculative == vanilla token for token) or bfloat16 (faster "
+            "where the CPU has bf16 instructions; near-ties within bf16 rounding may differ)"
+        },
+    )
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
@@ -82,6 +91,7 @@ def resolve_heads(
 
 def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
+    from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
     from selfspec.target import TargetSpec, apply_chat_template, load_target
 
@@ -114,7 +124,14 @@ def main(argv: Sequence[str]) -> int:
             _, _, scope = select_adapter(
                 target.model, args.adapter, args.adapters_root, args.model in (None, "default")
             )
-        generator = SpeculativeGenerator(target.model, heads, tokenizer)
+        # Adaptive trees (the default) size each step from this machine's measured cost curve:
+        # measured once (a few seconds), then read from the cache.
+        curve = (
+            machine_cost_curve(target.model)
+            if heads is not None and needs_cost_curve(config.tree)
+            else None
+        )
+        generator = SpeculativeGenerator(target.model, heads, tokenizer, curve)
         stream = generator.stream(prompt_ids, config, scope)
     # TargetLoadError, HeadsCheckpointError, FingerprintMismatch and AdapterError are ValueErrors.
     except (FileNotFoundError, ValueError) as error:

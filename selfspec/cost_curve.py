@@ -25,6 +25,7 @@ import torch
 from selfspec.atomic import write_text_atomic
 from selfspec.fingerprint import fingerprint_of
 from selfspec.target_forward import TargetForward
+from selfspec.tree import DynamicTree, TreeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +156,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def machine_cost_curve(model: torch.nn.Module) -> CostCurve:
+    """This machine's curve for ``model`` in its current dtype and thread count, cached under
+    the selfspec cache directory (``$SELFSPEC_CACHE``, else ``~/.cache/selfspec``)."""
+    from selfspec.target import cache_root
+
+    return cached_cost_curve(TargetForward(model), cache_root())
+
+
+def needs_cost_curve(tree: TreeSpec | None) -> bool:
+    """Whether a request with this tree (None: the generator's default) reads the cost curve."""
+    return tree is None or (isinstance(tree, DynamicTree) and tree.adaptive)

@@ -34,6 +34,7 @@ from selfspec.serve.errors import APIError, bad_request, not_found
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
 from selfspec.target import apply_chat_template
+from selfspec.tree import TreeSpec
 
 DISCONNECT_POLL_S = 0.25
 """How often a request with no new tokens checks whether its client is still there."""
@@ -49,6 +50,8 @@ class ServerState:
     model_name: str
     """The base model's name: `model` equal to it selects no adapter."""
     store: AdapterStore | None = None
+    tree: TreeSpec | None = None
+    """Every speculative request's tree; None: the generator's default (adaptive with a curve)."""
     max_running: int = 16
     max_queue: int = 64
     drain_timeout: float = 30.0
@@ -169,7 +172,9 @@ async def _serve(
     sampling = SamplingParams(
         temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p
     )
-    probe = GenerationConfig(max_new_tokens=1, sampling=sampling, speculate=speculate)
+    probe = GenerationConfig(
+        max_new_tokens=1, sampling=sampling, speculate=speculate, tree=state.tree
+    )
     depth = generator.tree_for(probe).depth if speculate else 0
     limit = generator.context_limit
     max_tokens = parsed.max_tokens
@@ -196,6 +201,7 @@ async def _serve(
         stop_strings=parsed.stop,
         stop_token_ids=() if parsed.ignore_eos else None,
         speculate=speculate,
+        tree=state.tree,
     )
     scope = state.store.scope(adapter) if state.store is not None else None
     try:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec serve"
 
@@ -54,6 +55,14 @@ class ServeArgs:
         default=False,
         metadata={"help": "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"},
     )
+    tree: str = field(
+        default="auto",
+        metadata={
+            "help": "speculation tree of every request: auto (adaptive, sized per step from this "
+            "machine's measured cost curve) | adaptive[:TOP_K,DEPTH,MAX_BUDGET] | static | "
+            "chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
@@ -68,11 +77,13 @@ class ServeArgs:
             raise ValueError("--max-running must be >= 1 and --max-queue >= 0")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        parse_tree_spec(self.tree)
 
 
 def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `selfspec --help`
     from selfspec.adapters.shipped import examples_root
     from selfspec.adapters.store import AdapterStore
+    from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
     from selfspec.serve.app import ServerState
@@ -89,12 +100,20 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         root = examples_root()
     modules = dict(m.partition("=")[::2] for m in args.lora_modules)
     store = AdapterStore(target.model, root=root, adapters=modules)
-    generator = SpeculativeGenerator(store.base_model, heads, target.tokenizer)
+    tree = parse_tree_spec(args.tree)
+    # Adaptive trees (the default) size their steps from this machine's measured cost curve.
+    curve = (
+        machine_cost_curve(store.base_model)
+        if heads is not None and needs_cost_curve(tree)
+        else None
+    )
+    generator = SpeculativeGenerator(store.base_model, heads, target.tokenizer, curve)
     return ServerState(
         generator=generator,
         tokenizer=target.tokenizer,
         model_name=target.name,
         store=store,
+        tree=tree,
         max_running=args.max_running,
         max_queue=args.max_queue,
         drain_timeout=args.drain_timeout,

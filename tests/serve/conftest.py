@@ -43,6 +43,9 @@ def server_for(assets) -> Callable[..., object]:
             "model": str(assets["target"]),
             "heads": str(assets["heads"]),
             "adapters_root": str(assets["adapters"]),
+            # A fixed tree: on a tiny model the adaptive default may rightly decide that no
+            # draft is worth verifying, and these tests check what speculation reports.
+            "tree": "dynamic",
             **overrides,
         }
         state = build_state(ServeArgs(**fields))

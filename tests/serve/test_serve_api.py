@@ -249,3 +249,15 @@ def test_adapter_management_is_off_by_default(server_for) -> None:
         error = _error(httpx.post(f"{url}/v1/load_lora_adapter", json=body), 403)
         assert "--enable-lora-management" in error["message"]
         _error(httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"}), 403)
+
+
+def test_adaptive_default_tree_serves_the_same_text(server_for, main_server) -> None:
+    """`--tree auto` (the default): steps sized from the cost curve measured at start-up."""
+    url, _ = main_server
+    with server_for(tree="auto") as (auto_url, state, _):
+        assert state.generator.cost_curve is not None and state.tree is None
+        for model in ("tiny-llama", "attn"):
+            adaptive = _complete(auto_url, model).json()
+            fixed = _complete(url, model).json()
+            assert adaptive["choices"][0]["text"] == fixed["choices"][0]["text"]
+            assert adaptive["selfspec"]["speculation"] is True
