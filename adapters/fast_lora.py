@@ -174,6 +174,9 @@ class _ModuleLora:
         self.ranks = [0] * capacity
         # Per slot: (A[s, :r].T # [in, r], Bt[s, :r] # [r, out]), views for the one-adapter path.
         self.single: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * capacity
+        # (rows, A[rows].T # [batch, in, r_max], Bt[rows] # [batch, r_max, out]) of the last
+        # mixed batch, reused while the bank's `rows` tensor is the same object.
+        self.gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.handle = module.register_forward_hook(self)
 
     @property
@@ -181,8 +184,10 @@ class _ModuleLora:
         return int(self.A.shape[1])
 
     def staged(self, slot: int, weights: LoraWeights | None, capacity: int, r_max: int) -> tuple:
-        """New stacks with `weights` in `slot` (None: zeros), grown to `capacity` and `r_max`;
-        nothing of self changes (see `commit`)."""
+        """Stacks with `weights` in `slot` (None: zeros), for `commit`. Grown to `capacity` and
+        `r_max` in new tensors (self unchanged); else written into `slot` in place, which is safe
+        because `slot` is free (no row reads it; the bank keeps free slots all zero) or being
+        freed. No copy of the stacks per load: peak memory stays at the stacks' size."""
         grow = capacity != self.A.shape[0] or r_max != self.r_max
         if grow:
             A = self.A.new_zeros(capacity, r_max, self.in_features)
@@ -190,7 +195,7 @@ class _ModuleLora:
             A[: self.A.shape[0], : self.r_max] = self.A
             Bt[: self.Bt.shape[0], : self.r_max] = self.Bt
         else:
-            A, Bt = self.A.clone(), self.Bt.clone()
+            A, Bt = self.A, self.Bt
         ranks = self.ranks + [0] * (capacity - len(self.ranks))
         A[slot], Bt[slot] = 0, 0
         ranks[slot] = 0
@@ -206,6 +211,7 @@ class _ModuleLora:
         self.single = [
             (self.A[s, :r].t(), self.Bt[s, :r]) if r else None for s, r in enumerate(self.ranks)
         ]
+        self.gathered = None
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         bank = self.bank
@@ -215,9 +221,13 @@ class _ModuleLora:
             if pair is None:
                 return None  # the base, or an adapter that leaves this module alone
             a_t, b_t = pair  # [in, r], [r, out]
-            shrink = args[0].reshape(-1, self.in_features) @ a_t  # [batch * tokens, r]
-            flat = output.reshape(-1, self.out_features)  # [batch * tokens, out]
-            return torch.addmm(flat, shrink, b_t).view(output.shape)
+            # Bare aten calls on 2D views: at one token the cost is per op, not per flop.
+            shrink = torch.mm(args[0].reshape(-1, self.in_features), a_t)  # [batch * tokens, r]
+            if output.requires_grad or not output.is_contiguous():
+                return output + (shrink @ b_t).view(output.shape)
+            # In place: the base output is ours (fresh from the module); saves a copy per layer.
+            output.view(-1, self.out_features).addmm_(shrink, b_t)
+            return output
         rows = bank.rows  # [batch]
         x = args[0]  # [batch, tokens, in]
         if x.dim() != 3 or x.shape[0] != rows.shape[0]:
@@ -226,10 +236,16 @@ class _ModuleLora:
                 f"got input of shape {list(x.shape)}; expected [{rows.shape[0]}, tokens, "
                 f"{self.in_features}]"
             )
-        a = self.A.index_select(0, rows)  # [batch, r_max, in]
-        b_t = self.Bt.index_select(0, rows)  # [batch, r_max, out]
-        shrink = torch.bmm(x, a.transpose(1, 2))  # [batch, tokens, r_max]
-        return torch.baddbmm(output, shrink, b_t)  # [batch, tokens, out]
+        if self.gathered is None or self.gathered[0] is not rows:
+            # Gathered once per batch composition (a server keeps one for many steps), not per
+            # forward: the copy is as large as the rows' LoRA weights.
+            a = self.A.index_select(0, rows).transpose(1, 2)  # [batch, in, r_max]
+            self.gathered = (rows, a, self.Bt.index_select(0, rows))  # ..., [batch, r_max, out]
+        _, a, b_t = self.gathered
+        shrink = torch.bmm(x, a)  # [batch, tokens, r_max]
+        if output.requires_grad:
+            return torch.baddbmm(output, shrink, b_t)  # [batch, tokens, out]
+        return output.baddbmm_(shrink, b_t)
 
 
 class LoraBank:
@@ -251,11 +267,17 @@ class LoraBank:
         """The slot every row uses; None while `rows` is in force."""
         self.rows: torch.Tensor | None = None
         """# [batch] slot of each row, when a mixed batch is selected."""
+        self._last_rows: tuple[list[int], torch.Tensor] | None = None
 
     # -- what is resident --------------------------------------------------------------------
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stacked weights held now (free slots and rank padding included)."""
+        return sum(e.A.nbytes + e.Bt.nbytes for e in self._modules.values())
 
     @property
     def linear_names(self) -> frozenset[str]:
@@ -291,7 +313,9 @@ class LoraBank:
         slot = next((s for s in range(1, self._capacity) if s not in used), None)
         capacity = self._capacity
         if slot is None:
-            slot, capacity = self._capacity, max(2, 2 * self._capacity)
+            # One slot more, not double: a slot of r=16 on every layer is ~20 MB on a 135M model,
+            # and the store frees slots by eviction, so the bank stops growing at its bound.
+            slot, capacity = self._capacity, self._capacity + 1
         staged, created = {}, []
         try:
             for module, entry in self._modules.items():
@@ -308,16 +332,21 @@ class LoraBank:
         except BaseException:
             for module in created:
                 self._modules.pop(module).handle.remove()
+            for entry in self._modules.values():  # keep free slots all zero
+                if slot < entry.A.shape[0]:
+                    entry.A[slot], entry.Bt[slot] = 0, 0
             raise
         for module, stacks in staged.items():
             self._modules[module].commit(stacks)
         self._capacity = capacity
         self._slots[name] = slot
+        self._last_rows = None
         return slot
 
     def remove(self, name: str) -> None:
         """Drop `name`'s weights; a module no resident adapter adapts loses its hook."""
         slot = self._slots.pop(name)
+        self._last_rows = None  # slot contents change: no layer may reuse gathered weights
         for module in list(self._modules):
             entry = self._modules[module]
             if entry.ranks[slot]:
@@ -353,16 +382,12 @@ class LoraBank:
         if len(set(slots)) == 1:
             self.slot, self.rows = slots[0], None
             return
-        device = next(iter(self._modules.values())).A.device if self._modules else "cpu"
-        self.rows = torch.tensor(slots, dtype=torch.long, device=device)  # [batch]
+        if self._last_rows is None or self._last_rows[0] != slots:
+            device = next(iter(self._modules.values())).A.device if self._modules else "cpu"
+            self._last_rows = (slots, torch.tensor(slots, dtype=torch.long, device=device))
+        # The same tensor object for the same composition: the layers keep their gathered weights.
+        self.rows = self._last_rows[1]  # [batch]
         self.slot = None
-
-    def selection(self) -> tuple[int | None, torch.Tensor | None]:
-        """What is selected now, to restore it with `restore`."""
-        return self.slot, self.rows
-
-    def restore(self, selection: tuple[int | None, torch.Tensor | None]) -> None:
-        self.slot, self.rows = selection
 
     def _slot_of(self, name: str) -> int:
         slot = self._slots.get(name)

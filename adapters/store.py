@@ -228,6 +228,16 @@ class AdapterStore:
         with self._lock:
             return sum(info.nbytes for info in self._resident.values())
 
+    @property
+    def lora_bytes(self) -> int:
+        """Bytes of LoRA weights held now: the fast path's stacks (free slots and rank padding
+        included) plus peft's LoRA parameters. `resident_bytes` counts unpadded weights."""
+        with self._lock:
+            peft = 0
+            if self._peft is not None:
+                peft = sum(p.nbytes for n, p in self._peft.named_parameters() if "lora_" in n)
+            return self._bank.nbytes + peft
+
     def backend_of(self, name: str) -> LoraBackend | None:
         """How the resident adapter `name` is applied; None when it is not resident."""
         with self._lock:
@@ -352,7 +362,7 @@ class AdapterStore:
                     f"one batch cannot mix fast-path adapters ({', '.join(on_fast)}) with adapters "
                     f"that fell back to peft ({', '.join(on_peft)}); run them as separate batches"
                 )
-            stack.callback(self._bank.restore, self._bank.selection())
+            stack.callback(self._bank.select, None)  # the next step scope selects its own
             if not on_peft:
                 self._activate_peft(None)
                 self._bank.select_rows(rows)

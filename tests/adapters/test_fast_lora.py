@@ -107,8 +107,7 @@ def test_mixed_batch_matches_peft_adapter_names(adapter_root: Path, base) -> Non
         reference, ROWS, adapter_names=[_peft(n) if n else "__base__" for n in names]
     )
     torch.testing.assert_close(mixed, expected, **TOL)
-    # Each row also equals that adapter alone through the fast path, and the batch restored
-    # the selection it found.
+    # Each row also equals that adapter alone through the fast path.
     for row, name in enumerate(names):
         with store.scope(name)():
             alone = _logits(base, ROWS[row : row + 1])
@@ -116,6 +115,7 @@ def test_mixed_batch_matches_peft_adapter_names(adapter_root: Path, base) -> Non
 
 
 def test_batch_on_one_adapter_and_wrong_batch_size(adapter_root: Path, base) -> None:
+    bare = _logits(base, ROWS)
     store = AdapterStore(base, root=adapter_root, config=FAST)
     with store.scope("attn")():
         alone = _logits(base, ROWS)
@@ -124,6 +124,7 @@ def test_batch_on_one_adapter_and_wrong_batch_size(adapter_root: Path, base) -> 
     torch.testing.assert_close(together, alone, rtol=0, atol=0)  # same one-adapter path
     with store.batch_scope(["attn", None]), pytest.raises(ValueError, match="2 rows"):
         _logits(base, ROWS)  # 4 rows under a 2-row selection: a clear error
+    assert torch.equal(_logits(base, ROWS), bare)  # a batch scope leaves the base selected
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
@@ -238,3 +239,40 @@ def test_peft_backend_and_config_validation(adapter_root: Path, base) -> None:
     assert store.backend_of("attn") is LoraBackend.PEFT
     assert store.backend_of("mlp_down") is None  # known, not resident
     assert store.fallbacks == {} and store.fallback_loads == 0  # chosen, not a fallback
+
+
+def _random_weights(model: torch.nn.Module, modules: list[str], seed: int, rank: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in modules:
+        linear = model.get_submodule(name)
+        lora_a = torch.randn(rank, linear.in_features, generator=generator)  # [r, in]
+        lora_b = torch.randn(linear.out_features, rank, generator=generator)  # [out, r]
+        out[name] = fast_lora.LoraWeights(lora_a, lora_b, scale=0.5)
+    return out
+
+
+def test_bank_failed_add_leaves_free_slots_zero() -> None:
+    model = make_tiny_model("llama", 0)
+    bank = fast_lora.LoraBank(model)
+    modules = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj")]
+    bank.add("x", _random_weights(model, modules, seed=1, rank=4))
+    bank.add("z", _random_weights(model, modules, seed=2, rank=4))
+    bank.remove("z")  # a free slot: the next add writes into it in place
+    bad = _random_weights(model, modules, seed=3, rank=4)
+    last = modules[-1]
+    bad[last] = fast_lora.LoraWeights(bad[last].lora_A.to("meta"), bad[last].lora_B, 0.5)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        bank.add("y", bad)  # fails on the last module, after writing the first ones
+    assert bank.names() == ("x",)
+    bank.add("w", _random_weights(model, modules[:1], seed=4, rank=2))  # takes the same slot
+    alone = {}
+    for name in ("x", "w", None):
+        bank.select(name)
+        alone[name] = _logits(model, ROWS[:1])[0]
+    bank.select_rows(["x", "w", None])
+    mixed = _logits(model, ROWS[:1].expand(3, -1))  # one prompt, three rows
+    for row, name in enumerate(("x", "w", None)):
+        torch.testing.assert_close(mixed[row], alone[name], **TOL)
+    bank.close()
+    assert not fast_lora.installed_on(model)
