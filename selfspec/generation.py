@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
 from selfspec.cost_curve import CostCurve
@@ -220,7 +221,11 @@ class SpeculativeGenerator:
         return state
 
     def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
-        """Draft, verify in one target forward, commit. Returns the newly committed tokens."""
+        """Draft, verify in one target forward, commit. Returns the newly committed tokens.
+
+        Each phase runs under a ``torch.profiler.record_function`` label ("selfspec.draft",
+        "selfspec.verify_forward", ...), so a profile says where a step's time goes
+        (benchmarks/profile_step.py); the labels cost nothing measurable when no profiler runs."""
         if config.speculate:
             sizer = (
                 TreeSizer(self.cost_curve, state.calibration)
@@ -233,25 +238,34 @@ class SpeculativeGenerator:
                 params=config.sampling,
                 sizer=sizer,
             )
-            tree = self.drafter.draft(state.draft_state, state.root_token, plan, state.generator)
+            with record_function("selfspec.draft"):
+                tree = self.drafter.draft(
+                    state.draft_state, state.root_token, plan, state.generator
+                )
         else:
             tree = _root_only(state.root_token, self.target.device)
-        buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
-        features = self.target.features(
-            tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
-        )[0]  # [T, H]
-        logits = self.target.logits(features)  # [T, vocab]
-        if config.sampling.greedy:
-            verdict = verify_greedy(tree, buffers.ancestors, logits)
-        else:
-            verdict = verify_sampling(tree, logits, config.sampling, state.generator)
-        commit_accepted(state.cache, state.committed_len, verdict.accepted)
-        state.committed_len += int(verdict.accepted.shape[0])
-        accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
+        with record_function("selfspec.tree_buffers"):
+            buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
+        with record_function("selfspec.verify_forward"):
+            features = self.target.features(
+                tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
+            )[0]  # [T, H]
+        with record_function("selfspec.verify_lm_head"):
+            logits = self.target.logits(features)  # [T, vocab]
+        with record_function("selfspec.verify"):
+            if config.sampling.greedy:
+                verdict = verify_greedy(tree, buffers.ancestors, logits)
+            else:
+                verdict = verify_sampling(tree, logits, config.sampling, state.generator)
+        with record_function("selfspec.commit"):
+            commit_accepted(state.cache, state.committed_len, verdict.accepted)
+            state.committed_len += int(verdict.accepted.shape[0])
+            accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
         if config.speculate:
-            self.drafter.advance(
-                state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
-            )
+            with record_function("selfspec.draft_advance"):
+                self.drafter.advance(
+                    state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
+                )
         state.root_token = verdict.bonus
         if tree.scores is not None and tree.size > 1:
             state.drafts_predicted += float(tree.scores[1:].exp().sum())
@@ -310,7 +324,8 @@ class GenerationStream:
         while state.finish_reason is None:
             with torch.inference_mode(), self._scope():
                 committed = owner.step(state, config)
-            output = self._commit(state, committed, stop_ids)
+            with record_function("selfspec.detokenize"):
+                output = self._commit(state, committed, stop_ids)
             state.stats.decode_seconds = time.perf_counter() - decode_started
             if output.token_ids:
                 yield output
