@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +33,7 @@ from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
+from selfspec.stats import GenerationStats
 from selfspec.target import apply_chat_template
 from selfspec.tree import TreeSpec
 
@@ -194,6 +195,14 @@ async def _serve(
             f"{len(prompt_ids) + max_tokens + depth}; shorten the prompt or lower max_tokens",
             field_name,
         )
+    capacity = state.max_running + state.max_queue
+    if parsed.n > capacity:
+        # Could never be admitted (all choices are admitted together): not worth a retry.
+        raise bad_request(
+            f"'n' = {parsed.n} choices exceeds this server's capacity of {capacity} concurrent "
+            f"requests (max_running {state.max_running} + max_queue {state.max_queue})",
+            "n",
+        )
     config = GenerationConfig(
         max_new_tokens=max_tokens,
         sampling=sampling,
@@ -203,13 +212,17 @@ async def _serve(
         speculate=speculate,
         tree=state.tree,
     )
-    scope = state.store.scope(adapter) if state.store is not None else None
-    try:
-        stream = generator.stream(prompt_ids, config, scope)
-    except ValueError as error:
-        raise bad_request(str(error)) from error
+    streams = []
+    for index in range(parsed.n):
+        # Choice i: seed + i, so a seeded request repeats exactly and its choices differ.
+        seed = None if parsed.seed is None else parsed.seed + index
+        scope = state.store.scope(adapter) if state.store is not None else None
+        try:
+            streams.append(generator.stream(prompt_ids, replace(config, seed=seed), scope))
+        except ValueError as error:
+            raise bad_request(str(error)) from error
     label = adapter or state.model_name
-    handle = state.engine.submit(stream, adapter, label, speculate, asyncio.get_running_loop())
+    handle = state.engine.submit(streams, adapter, label, speculate, asyncio.get_running_loop())
     reply = _Reply(parsed, chat, len(prompt_ids), speculate, handle)
     if parsed.stream:
         return StreamingResponse(
@@ -217,12 +230,15 @@ async def _serve(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    result = await reply.wait(request)
-    return JSONResponse(reply.full_body(result))
+    results = await reply.wait(request)
+    return JSONResponse(reply.full_body(results))
 
 
 class _Reply:
-    """Turns a request's engine events into an OpenAI response, whole or as SSE chunks."""
+    """Turns a request's engine events into an OpenAI response, whole or as SSE chunks.
+
+    With `n` > 1 the choices' events interleave as the engine runs them; each event carries its
+    choice's index. `usage.completion_tokens` and the `selfspec` stats cover all choices."""
 
     def __init__(
         self,
@@ -242,15 +258,17 @@ class _Reply:
         self.object = "chat.completion" if chat else "text_completion"
 
     async def _events(self, request: Request, poll: bool) -> AsyncIterator[Event]:
-        """The request's events; cancels it (and stops) when the client goes away.
+        """The events of all choices, until every choice is done or one fails or is cancelled;
+        then (or when the client goes away) cancels whatever is still in flight.
 
         `poll`: check the connection every `DISCONNECT_POLL_S` (a whole response). A streamed
         response leaves that to Starlette, which stops the stream when a send fails or the client
         disconnects; the finally below then cancels the request."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
+        left = self.parsed.n
         try:
-            while True:
+            while left:
                 event = await self.handle.next_event(DISCONNECT_POLL_S)
                 if poll and loop.time() - checked >= DISCONNECT_POLL_S:
                     checked = loop.time()
@@ -259,45 +277,57 @@ class _Reply:
                 if event is None:
                     continue
                 yield event
-                if event.kind != "delta":
-                    return
+                if event.kind == "done":
+                    left -= 1
+                elif event.kind != "delta":
+                    return  # one choice failed: the others are cancelled below
         finally:
             # Also reached when the server stops streaming to a client that went away.
             self.handle.cancel()
 
-    async def wait(self, request: Request) -> GenerationResult:
+    async def wait(self, request: Request) -> list[GenerationResult]:
+        """Every choice's result, in choice order."""
+        results: dict[int, GenerationResult] = {}
+        failure: APIError | None = None
         async for event in self._events(request, poll=True):
             if event.kind == "done":
-                return event.result
-            if event.kind == "error":
-                raise event.error
-            if event.kind == "cancelled":
-                raise APIError(
-                    503, "the request was cancelled (server shutting down)", "service_unavailable"
-                )
-        raise APIError(499, "client disconnected", "client_closed_request")
+                results[event.index] = event.result
+            elif event.kind == "error":
+                failure = event.error
+            elif event.kind == "cancelled":
+                failure = _cancelled()
+        if failure is not None:
+            raise failure
+        if len(results) < self.parsed.n:
+            raise APIError(499, "client disconnected", "client_closed_request")
+        return [results[index] for index in range(self.parsed.n)]
 
     async def sse(self, request: Request) -> AsyncIterator[str]:
         if self.chat:
-            yield _sse(self._chunk({"role": "assistant", "content": ""}, None))
+            for index in range(self.parsed.n):
+                yield _sse(self._chunk({"role": "assistant", "content": ""}, None, index))
+        results: dict[int, GenerationResult] = {}
         async for event in self._events(request, poll=False):
             if event.kind == "delta" and event.output.text:
                 delta = {"content": event.output.text} if self.chat else event.output.text
-                yield _sse(self._chunk(delta, None))
+                yield _sse(self._chunk(delta, None, event.index))
             elif event.kind == "done":
-                result = event.result
-                final = self._chunk({} if self.chat else "", result.finish_reason.value)
-                final["selfspec"] = self._stats(result)
-                yield _sse(final)
-                if self.parsed.include_usage:
-                    usage = self._base()
-                    usage.update(choices=[], usage=self._usage(result))
-                    yield _sse(usage)
-            elif event.kind in ("error", "cancelled"):
-                error = event.error or APIError(
-                    503, "the request was cancelled (server shutting down)", "service_unavailable"
+                results[event.index] = result = event.result
+                final = self._chunk(
+                    {} if self.chat else "", result.finish_reason.value, event.index
                 )
-                yield _sse(error.body())
+                if len(results) == self.parsed.n:  # the last choice to finish
+                    done = [results[index] for index in range(self.parsed.n)]
+                    final["selfspec"] = self._stats(done)
+                    yield _sse(final)
+                    if self.parsed.include_usage:
+                        usage = self._base()
+                        usage.update(choices=[], usage=self._usage(done))
+                        yield _sse(usage)
+                else:
+                    yield _sse(final)
+            elif event.kind in ("error", "cancelled"):
+                yield _sse((event.error or _cancelled()).body())
         yield "data: [DONE]\n\n"
 
     def _base(self) -> dict[str, Any]:
@@ -309,8 +339,8 @@ class _Reply:
             "model": self.parsed.model,
         }
 
-    def _chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def _chunk(self, delta: Any, finish_reason: str | None, index: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice.update(delta=delta, logprobs=None, finish_reason=finish_reason)
         else:
@@ -321,47 +351,57 @@ class _Reply:
             chunk["usage"] = None
         return chunk
 
-    def full_body(self, result: GenerationResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice.update(text=result.text)
-        choice.update(logprobs=None, finish_reason=result.finish_reason.value)
+    def full_body(self, results: list[GenerationResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice.update(text=result.text)
+            choice.update(logprobs=None, finish_reason=result.finish_reason.value)
+            choices.append(choice)
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.parsed.model,
-            "choices": [choice],
-            "usage": self._usage(result),
-            "selfspec": self._stats(result),
+            "choices": choices,
+            "usage": self._usage(results),
+            "selfspec": self._stats(results),
         }
 
-    def _usage(self, result: GenerationResult) -> dict[str, int]:
-        completion = len(result.token_ids)
+    def _usage(self, results: list[GenerationResult]) -> dict[str, int]:
+        """The prompt counted once (as OpenAI does), completion tokens summed over choices."""
+        completion = sum(len(result.token_ids) for result in results)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
 
-    def _stats(self, result: GenerationResult) -> dict[str, Any]:
-        """Per-request speculation stats. τ: tokens committed per decode-step target forward,
-        bonus included (1.0 without speculation)."""
-        stats = result.stats
-        steps = stats.steps
+    def _stats(self, results: list[GenerationResult]) -> dict[str, Any]:
+        """Speculation stats of the request, all choices pooled: their decode steps taken
+        together, so τ = committed tokens / target forwards over all choices (bonus included;
+        1.0 without speculation), counts and seconds summed, acceptance at depth d over every
+        step that reached d. `queue_seconds`: the longest wait of a choice."""
+        steps = [step for result in results for step in result.stats.steps]
+        pooled = GenerationStats(steps=steps)
         return {
             "speculation": self.speculate,
-            "tau": round(stats.tau, 4),
-            "target_forwards": stats.target_forwards,
+            "tau": round(pooled.tau, 4),
+            "target_forwards": pooled.target_forwards,
             "draft_tokens": sum(s.tree_size - 1 for s in steps),
             "accepted_tokens": sum(s.accepted for s in steps),
-            "acceptance_by_depth": [round(r, 4) for r in stats.acceptance_by_depth()],
+            "acceptance_by_depth": [round(r, 4) for r in pooled.acceptance_by_depth()],
             "queue_seconds": round(self.handle.queue_seconds, 4),
-            "prefill_seconds": round(stats.prefill_seconds, 4),
-            "decode_seconds": round(stats.decode_seconds, 4),
+            "prefill_seconds": round(sum(r.stats.prefill_seconds for r in results), 4),
+            "decode_seconds": round(sum(r.stats.decode_seconds for r in results), 4),
         }
+
+
+def _cancelled() -> APIError:
+    return APIError(503, "the request was cancelled (server shutting down)", "service_unavailable")
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ that request, so its output never depends on what else is running: greedy output
 request run alone. The cost is one target forward per request per round (no mixed-adapter batched
 forward yet; `AdapterStore.batch_scope` exists for that next step).
 
-The HTTP side talks to the worker through `RequestHandle`s: events are handed to the request's
-asyncio loop with `call_soon_threadsafe`, and `cancel()` marks the request for the worker,
-which drops it (cache and adapter pin released) before its next step.
+The HTTP side talks to the worker through `RequestHandle`s, one per HTTP request: an HTTP
+request asking for `n` choices is `n` engine requests (jobs) admitted together, all or none,
+each scheduled like any other. Events, tagged with their choice's index, are handed to the
+request's asyncio loop with `call_soon_threadsafe`, and `cancel()` marks every job of the request
+for the worker, which drops them (cache and adapter pin released) before their next step.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from selfspec.adapters.errors import StoreFull
@@ -40,6 +42,8 @@ class Event:
     output: StepOutput | None = None
     result: GenerationResult | None = None
     error: APIError | None = None
+    index: int = 0
+    """The choice (job of its HTTP request) the event belongs to."""
 
 
 @dataclass
@@ -51,25 +55,34 @@ class Job:
     """Metrics label: the adapter's name, or the base model's."""
     speculate: bool
     handle: RequestHandle
+    index: int = 0
+    """The choice of its HTTP request this job generates."""
     admitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
     steps: Iterator[StepOutput] | None = None
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    queue_seconds: float = 0.0
+    """Seconds the job waited for a slot before its first step."""
 
 
 class RequestHandle:
-    """The HTTP side of one request: its events, in order, and a way to cancel it."""
+    """The HTTP side of one request: the events of all its jobs (each job's in order), and a way
+    to cancel them all."""
 
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._pending: asyncio.Future[Event] | None = None
-        self.job: Job | None = None
-        self.queue_seconds = 0.0
-        """Seconds the request waited for a slot before its first step."""
+        self.jobs: list[Job] = []
+        """One per choice, in choice order; empty until admitted."""
+
+    @property
+    def queue_seconds(self) -> float:
+        """Seconds until the last of the request's jobs started (its longest wait)."""
+        return max((job.queue_seconds for job in self.jobs), default=0.0)
 
     def emit(self, event: Event) -> None:
         """Called by the worker thread."""
@@ -90,12 +103,13 @@ class RequestHandle:
         return event
 
     def cancel(self) -> None:
-        """Called on the event loop; a no-op once the request has finished."""
+        """Called on the event loop; cancels every job still in flight (a no-op for finished
+        ones)."""
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
-        if self.job is not None:
-            self._engine.cancel(self.job)
+        for job in self.jobs:
+            self._engine.cancel(job)
 
 
 class Engine:
@@ -173,26 +187,43 @@ class Engine:
 
     def submit(
         self,
-        stream: GenerationStream,
+        streams: Sequence[GenerationStream],
         adapter: str | None,
         label: str,
         speculate: bool,
         loop: asyncio.AbstractEventLoop,
     ) -> RequestHandle:
+        """Admit one HTTP request's jobs (one stream per choice) together, or none of them:
+        429 unless all fit into the free running and waiting places."""
+        if not streams:
+            raise ValueError("submit needs at least one stream")
         handle = RequestHandle(self, loop)
-        job = Job(stream=stream, adapter=adapter, label=label, speculate=speculate, handle=handle)
+        jobs = [
+            Job(
+                stream=stream,
+                adapter=adapter,
+                label=label,
+                speculate=speculate,
+                handle=handle,
+                index=index,
+            )
+            for index, stream in enumerate(streams)
+        ]
         with self._cond:
             if not self.serving:
-                self.metrics.requests.labels(label, "rejected").inc()
+                self.metrics.requests.labels(label, "rejected").inc(len(jobs))
                 raise unavailable("the engine is not serving (starting or shutting down)")
-            if len(self._waiting) + len(self._running) >= self.max_running + self.max_queue:
-                self.metrics.requests.labels(label, "rejected").inc()
+            in_flight = len(self._waiting) + len(self._running)
+            if in_flight + len(jobs) > self.max_running + self.max_queue:
+                self.metrics.requests.labels(label, "rejected").inc(len(jobs))
+                needs = f"; this request needs {len(jobs)} places (n)" if len(jobs) > 1 else ""
                 raise overloaded(
                     f"the server is full: {len(self._running)} requests running and "
-                    f"{len(self._waiting)} waiting (max_queue={self.max_queue}); retry later"
+                    f"{len(self._waiting)} waiting (max_queue={self.max_queue}){needs}; "
+                    "retry later"
                 )
-            handle.job = job
-            self._waiting.append(job)
+            handle.jobs = jobs
+            self._waiting.extend(jobs)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify_all()
         return handle
@@ -203,7 +234,7 @@ class Engine:
             if job in self._waiting:  # never started: nothing to free but its place
                 self._waiting.remove(job)
                 self.metrics.waiting.set(len(self._waiting))
-                self._finish(job, Event("cancelled"), "cancelled")
+                self._finish(job, Event("cancelled", index=job.index), "cancelled")
             self._cond.notify_all()
 
     # -- the worker --------------------------------------------------------------------------
@@ -231,13 +262,13 @@ class Engine:
     def _step(self, job: Job) -> bool:
         """One decoding step of `job`; False once it has left (finished, failed, cancelled)."""
         if job.cancelled.is_set():
-            self._finish(job, Event("cancelled"), "cancelled")
+            self._finish(job, Event("cancelled", index=job.index), "cancelled")
             return False
         try:
             if job.steps is None:
                 job.started = time.perf_counter()
-                job.handle.queue_seconds = job.started - job.admitted
-                self.metrics.queue_wait.labels(job.label).observe(job.handle.queue_seconds)
+                job.queue_seconds = job.started - job.admitted
+                self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
                 if self.store is not None:
                     # Resident for the whole request: never evicted between its steps.
                     job.resources.enter_context(self.store.pinned(job.adapter))
@@ -247,7 +278,7 @@ class Engine:
             result = job.stream.result
             self.metrics.latency.labels(job.label).observe(time.perf_counter() - job.admitted)
             self.metrics.record_finished(job.label, result.stats, job.speculate)
-            self._finish(job, Event("done", result=result), "completed")
+            self._finish(job, Event("done", result=result, index=job.index), "completed")
             return False
         except Exception as error:  # one request failing must not stop the others
             if isinstance(error, StoreFull):  # every resident slot is pinned by a request
@@ -258,13 +289,13 @@ class Engine:
                 api_error = APIError(
                     500, f"generation failed: {type(error).__name__}: {error}", "server_error"
                 )
-            self._finish(job, Event("error", error=api_error), "error")
+            self._finish(job, Event("error", error=api_error, index=job.index), "error")
             return False
         if job.first_token is None:
             job.first_token = time.perf_counter()
             self.metrics.ttft.labels(job.label).observe(job.first_token - job.admitted)
         self.metrics.generation_tokens.labels(job.label).inc(len(output.token_ids))
-        job.handle.emit(Event("delta", output=output))
+        job.handle.emit(Event("delta", output=output, index=job.index))
         return True
 
     def _finish(self, job: Job, event: Event, outcome: str) -> None:

@@ -2,7 +2,7 @@
 
 Validation is explicit rather than through pydantic models so each message says which field is
 wrong and what was expected, in the OpenAI error shape, and so options we do not implement
-(logprobs, penalties, n > 1, ...) are refused by name instead of silently ignored.
+(logprobs, penalties, ...) are refused by name instead of silently ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ UNSUPPORTED: dict[str, object] = {
     "tool_choice": None,
     "response_format": None,
 }
+MAX_CHOICES = 16
+"""Most choices (`n`) one request may ask for; each is its own engine request."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,12 @@ class ParsedRequest:
     speculation: bool | None
     """None: the server's default (on when it has heads)."""
     ignore_eos: bool
+    n: int = 1
+    """Choices: independent generations of the prompt (choice i seeded with seed + i)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
 
 
 def parse_request(body: object, chat: bool) -> ParsedRequest:
@@ -65,8 +73,10 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required: the base model's name or an adapter's", "model")
     n = _int(body, "n", 1)
-    if n != 1:
-        raise bad_request(f"'n' must be 1 (one choice per request for now), got {n}", "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(
+            f"'n' (number of choices) must be an integer in [1, {MAX_CHOICES}], got {n}", "n"
+        )
     prompt = None
     messages = None
     if chat:
@@ -91,6 +101,8 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
     if top_k < -1:
         raise bad_request(f"'top_k' must be >= 1, or 0 / -1 for no limit, got {top_k}", "top_k")
     seed = _int(body, "seed", None)
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise bad_request(f"'seed' must be a 64-bit signed integer, got {seed}", "seed")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -116,6 +128,7 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
         include_usage=include_usage,
         speculation=_bool(body, "speculation", None),
         ignore_eos=_bool(body, "ignore_eos", False),
+        n=n,
     )
 
 

@@ -156,7 +156,7 @@ def test_malformed_json_is_400(main_server) -> None:
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2.5}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": [""]}, "stop"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [5, 1000]}, "prompt"),
