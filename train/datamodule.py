@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from selfspec.train.draft_vocab import response_token_counts
 from selfspec.train.shards import DistilledDataError, load_distilled
 
 
@@ -95,12 +96,7 @@ class DistilledDataModule(L.LightningDataModule):
 
     def response_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the responses of the training rows. # [vocab]"""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        for ids, prompt_len in zip(
-            self.train_set["input_ids"], self.train_set["prompt_len"], strict=True
-        ):
-            np.add.at(counts, np.asarray(ids[int(prompt_len) :], dtype=np.int64), 1)
-        return torch.from_numpy(counts)
+        return response_token_counts(self.train_set, vocab_size)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         lengths = [min(len(r["input_ids"]), self.max_length) for r in rows]

@@ -21,6 +21,7 @@ from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
 from selfspec.heads.draft_vocab import with_draft_vocab
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
+from selfspec.train.draft_vocab import frequent_tokens
 from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
 
 
@@ -110,9 +111,8 @@ class HeadsModule(L.LightningModule):
             datamodule = self.trainer.datamodule
             datamodule.setup(stage)
             counts = datamodule.response_token_counts(self.target.vocab_size)  # [vocab]
-            top = counts.topk(min(self.loss_vocab_size, self.target.vocab_size))
-            self.loss_vocab = top.indices.sort().values.to(self.device)
-            self.loss_vocab_coverage = float(top.values.sum() / counts.sum().clamp(min=1))
+            vocab, self.loss_vocab_coverage = frequent_tokens(counts, self.loss_vocab_size)
+            self.loss_vocab = vocab.to(self.device)
         # The heads draft from exactly the tokens they learnt to rank (and are exported so).
         self.heads = with_draft_vocab(self.heads, self.loss_vocab).to(self.device)
 
