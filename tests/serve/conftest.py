@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import make_adapter, running_server
+from serve_helpers import make_adapter
 from tiny_models import make_tiny_model, save_tiny_target
 
 from selfspec.fingerprint import fingerprint_of
 from selfspec.heads import build_heads, heads_config_for, save_heads
+from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 
 torch.set_num_threads(1)
