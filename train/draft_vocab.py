@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=8192, help="draft vocabulary size")
     parser.add_argument("--output", type=Path, default=None, help="default: rewrite HEADS")
     args = parser.parse_args(argv)
+    from selfspec.atomic import write_text_atomic
     from selfspec.heads import HeadsCheckpointError, load_heads, save_heads
     from selfspec.heads.checkpoint import read_heads_config
     from selfspec.heads.draft_vocab import with_draft_vocab
@@ -63,7 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         **extra,
         "draft_vocab": {"size": args.size, "coverage": coverage, "data": str(args.data)},
     }
+    # Files kept beside the checkpoint (e.g. the training's metrics.json) stay with it.
+    beside = {
+        p.name: p.read_text() for p in args.heads.glob("*.json") if p.name != "config.json"
+    }
     output = save_heads(heads, args.output or args.heads, base, extra)
+    for name, text in beside.items():
+        write_text_atomic(output / name, text)
     print(f"{output}: drafts from {args.size} tokens covering {coverage:.1%} of the responses")
     return 0
 

@@ -26,7 +26,9 @@ def test_rewrites_heads_to_draft_from_the_most_frequent_response_tokens(
     model = load_target(TargetSpec(model=str(tiny_target))).model
     heads = build_heads(heads_config_for(model, "eagle"))
     path = save_heads(heads, tmp_path / "heads", fingerprint_of(model), extra={"note": "kept"})
+    (path / "metrics.json").write_text('{"tau": 1.5}')
     assert main([str(path), "--data", str(distilled), "--size", "6"]) == 0
+    assert (path / "metrics.json").read_text() == '{"tau": 1.5}'  # files beside it are kept
     loaded = load_heads(path, model)
     counts = response_token_counts(load_distilled(distilled), model.config.vocab_size)
     assert loaded.draft_vocab.tolist() == frequent_tokens(counts, 6)[0].tolist()
