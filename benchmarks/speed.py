@@ -229,8 +229,9 @@ def summarise(
 def markdown(report: dict) -> str:
     machine = report["machine"]
     lines = [
-        f"Speed, greedy, batch 1: {report['prompts']} held-out prompts x {report['max_new_tokens']} "
-        f"new tokens; {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}, "
+        f"Speed, greedy, batch 1: {report['prompts']} held-out prompts x "
+        f"{report['max_new_tokens']} new tokens; {machine['cpu']}, {machine['threads']} threads, "
+        f"torch {machine['torch']}, "
         f"{report['date']}. Baselines: {report['baseline']}, {report['lookup_baseline']}.",
         "",
         "| method | dtype | tok/s | τ | × HF | × lookup | equal to vanilla |",
