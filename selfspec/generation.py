@@ -29,6 +29,9 @@ from selfspec.target_forward import TargetForward
 from selfspec.tree import ADAPTIVE_TREE, DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
 from selfspec.verify import verify_greedy, verify_sampling
 
+COST_SCALE_DECAY = 0.8
+"""Weight of the past in a request's verification-cost scale (about the last five steps count)."""
+
 StepScope = Callable[[], contextlib.AbstractContextManager]
 """Makes a context entered around every step of one request (e.g. activating its adapter)."""
 
@@ -106,6 +109,8 @@ class RequestState:
     drafts_accepted: float = 1.0
     drafts_predicted: float = 1.0
     """Running sums (one pseudo-count each) calibrating the draft's confidence for tree sizing."""
+    cost_scale: float = 1.0
+    """Moving average of measured / curve verification seconds, for tree sizing."""
 
     @property
     def calibration(self) -> float:
@@ -228,7 +233,7 @@ class SpeculativeGenerator:
         (benchmarks/profile_step.py); the labels cost nothing measurable when no profiler runs."""
         if config.speculate:
             sizer = (
-                TreeSizer(self.cost_curve, state.calibration)
+                TreeSizer(self.cost_curve, state.calibration, state.cost_scale)
                 if self.cost_curve is not None
                 else None
             )
@@ -246,6 +251,7 @@ class SpeculativeGenerator:
             tree = _root_only(state.root_token, self.target.device)
         with record_function("selfspec.tree_buffers"):
             buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
+        verify_started = time.perf_counter()
         with record_function("selfspec.verify_forward"):
             features = self.target.features(
                 tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
@@ -257,6 +263,11 @@ class SpeculativeGenerator:
                 verdict = verify_greedy(tree, buffers.ancestors, logits)
             else:
                 verdict = verify_sampling(tree, logits, config.sampling, state.generator)
+        if self.cost_curve is not None:  # the verdict's host sync ends the timed span on GPUs
+            measured = (time.perf_counter() - verify_started) / self.cost_curve.at(tree.size)
+            state.cost_scale = (
+                COST_SCALE_DECAY * state.cost_scale + (1 - COST_SCALE_DECAY) * measured
+            )
         with record_function("selfspec.commit"):
             commit_accepted(state.cache, state.committed_len, verdict.accepted)
             state.committed_len += int(verdict.accepted.shape[0])

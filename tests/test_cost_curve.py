@@ -79,6 +79,8 @@ def test_sizer_keeps_nodes_while_they_pay_for_their_verification() -> None:
     assert sizer.keep(scores, drafting_seconds=0.0) == 3
     # With 50 ms of drafting spent the rate is ~51/s, so p=0.2 pays and p=0.05 does not.
     assert sizer.keep(scores, drafting_seconds=0.050) == 4
+    # Verification running 10x faster than the curve says (a calmer machine now): keep all six.
+    assert TreeSizer(curve, cost_scale=0.1).keep(scores, drafting_seconds=0.050) == 6
     # A draft known to be 10x over-confident is not worth verifying at all: plain decoding.
     assert TreeSizer(curve, calibration=0.1).keep(scores, 0.0) == 0
     assert sizer.keep([], 0.0) == 0

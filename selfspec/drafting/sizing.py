@@ -27,6 +27,13 @@ class TreeSizer:
     curve: CostCurve
     calibration: float = 1.0
     """Observed / predicted accepted drafts of this request so far (1: trust the draft)."""
+    cost_scale: float = 1.0
+    """Observed / curve verification time of this request's recent steps: the curve's shape is
+    kept, its level follows the machine's current load (the curve may be cached from a calmer
+    or busier moment)."""
+
+    def verify_seconds(self, size: int) -> float:
+        return self.cost_scale * self.curve.at(size)
 
     def keep(self, scores: list[float], drafting_seconds: float) -> int:
         """How many of the nodes to verify. scores: cumulative draft log-probs, best first."""
@@ -51,7 +58,7 @@ class TreeSizer:
             return False
         per_depth = drafting_seconds / depth
         deeper = (gain + added) / (
-            drafting_seconds + per_depth + self.curve.at(size + new_nodes + 1)
+            drafting_seconds + per_depth + self.verify_seconds(size + new_nodes + 1)
         )
         return deeper > rate
 
@@ -61,10 +68,10 @@ class TreeSizer:
     def _best(self, scores: list[float], drafting_seconds: float) -> tuple[int, float]:
         """(size, expected tokens per second) of the best prefix of ``scores``."""
         best_size, gain = 0, 1.0
-        best_rate = gain / (drafting_seconds + self.curve.at(1))
+        best_rate = gain / (drafting_seconds + self.verify_seconds(1))
         for size, score in enumerate(scores, start=1):
             gain += self._accept(score)
-            rate = gain / (drafting_seconds + self.curve.at(size + 1))
+            rate = gain / (drafting_seconds + self.verify_seconds(size + 1))
             if rate > best_rate:
                 best_size, best_rate = size, rate
         return best_size, best_rate
