@@ -26,7 +26,15 @@ from selfspec.kv_commit import commit_accepted
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
-from selfspec.tree import ADAPTIVE_TREE, DraftSampling, DynamicTree, Tree, TreeSpec, tree_buffers
+from selfspec.tree import (
+    ADAPTIVE_TREE,
+    DraftSampling,
+    DynamicTree,
+    Tree,
+    TreeBuffers,
+    TreeSpec,
+    tree_buffers,
+)
 from selfspec.verify import verify_greedy, verify_sampling
 
 COST_SCALE_DECAY = 0.8
@@ -115,6 +123,14 @@ class RequestState:
     @property
     def calibration(self) -> float:
         return self.drafts_accepted / self.drafts_predicted
+
+
+@dataclass(frozen=True)
+class DraftedStep:
+    """A step between drafting and verification: the tree and what its forward needs."""
+
+    tree: Tree
+    buffers: TreeBuffers
 
 
 class SpeculativeGenerator:
@@ -225,12 +241,8 @@ class SpeculativeGenerator:
             state.draft_state = self.drafter.start(features, prompt, first)
         return state
 
-    def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
-        """Draft, verify in one target forward, commit. Returns the newly committed tokens.
-
-        Each phase runs under a ``torch.profiler.record_function`` label ("selfspec.draft",
-        "selfspec.verify_forward", ...), so a profile says where a step's time goes
-        (benchmarks/profile_step.py); the labels cost nothing measurable when no profiler runs."""
+    def draft(self, state: RequestState, config: GenerationConfig) -> DraftedStep:
+        """The tree this step verifies (the root alone without speculation), with its buffers."""
         if config.speculate:
             sizer = (
                 TreeSizer(self.cost_curve, state.calibration, state.cost_scale)
@@ -251,23 +263,51 @@ class SpeculativeGenerator:
             tree = _root_only(state.root_token, self.target.device)
         with record_function("selfspec.tree_buffers"):
             buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
+        return DraftedStep(tree, buffers)
+
+    def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
+        """Draft, verify in one target forward, commit. Returns the newly committed tokens.
+
+        Each phase runs under a ``torch.profiler.record_function`` label ("selfspec.draft",
+        "selfspec.verify_forward", ...), so a profile says where a step's time goes
+        (benchmarks/profile_step.py); the labels cost nothing measurable when no profiler runs."""
+        return self.verify(state, config, self.draft(state, config))
+
+    def verify(
+        self, state: RequestState, config: GenerationConfig, drafted: DraftedStep
+    ) -> list[int]:
+        """Verify a drafted tree in a target forward of its own, then ``conclude``."""
+        tree, buffers = drafted.tree, drafted.buffers
         verify_started = time.perf_counter()
         with record_function("selfspec.verify_forward"):
             features = self.target.features(
                 tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
             )[0]  # [T, H]
-        with record_function("selfspec.verify_lm_head"):
-            logits = self.target.logits(features)  # [T, vocab]
-        with record_function("selfspec.verify"):
-            if config.sampling.greedy:
-                verdict = verify_greedy(tree, buffers.ancestors, logits)
-            else:
-                verdict = verify_sampling(tree, logits, config.sampling, state.generator)
+        committed = self.conclude(state, config, drafted, features)
         if self.cost_curve is not None:  # the verdict's host sync ends the timed span on GPUs
             measured = (time.perf_counter() - verify_started) / self.cost_curve.at(tree.size)
             state.cost_scale = (
                 COST_SCALE_DECAY * state.cost_scale + (1 - COST_SCALE_DECAY) * measured
             )
+        return committed
+
+    def conclude(
+        self,
+        state: RequestState,
+        config: GenerationConfig,
+        drafted: DraftedStep,
+        features: torch.Tensor,  # [T, H]: the tree's target features, its KV entries cached
+    ) -> list[int]:
+        """Verify a drafted tree from its features, commit the accepted path to the KV cache and
+        the draft state. Returns the newly committed tokens (accepted drafts, then the bonus)."""
+        tree = drafted.tree
+        with record_function("selfspec.verify_lm_head"):
+            logits = self.target.logits(features)  # [T, vocab]
+        with record_function("selfspec.verify"):
+            if config.sampling.greedy:
+                verdict = verify_greedy(tree, drafted.buffers.ancestors, logits)
+            else:
+                verdict = verify_sampling(tree, logits, config.sampling, state.generator)
         with record_function("selfspec.commit"):
             commit_accepted(state.cache, state.committed_len, verdict.accepted)
             state.committed_len += int(verdict.accepted.shape[0])
@@ -292,7 +332,14 @@ class SpeculativeGenerator:
 
 
 class GenerationStream:
-    """Iterate to get StepOutputs as they are committed; ``result`` once exhausted."""
+    """One request. Iterate to get StepOutputs as they are committed; ``result`` once exhausted.
+
+    A scheduler can drive it explicitly instead: ``start()`` (prefill), then until ``done``
+    either ``step()`` (draft, its own forward, verify), or ``draft()``, a forward it runs itself
+    together with other requests' trees (``selfspec.batched_verify``), and ``conclude()``.
+    Grad mode and the request's scope are entered per call, never held between calls: the
+    caller (a server interleaving requests, a training loop) runs in its own modes meanwhile.
+    """
 
     def __init__(
         self,
@@ -305,8 +352,27 @@ class GenerationStream:
         self._scope = scope
         self._prompt_ids = prompt_ids
         self._config = config
+        self._stop_ids = set(
+            config.stop_token_ids
+            if config.stop_token_ids is not None
+            else generator.default_stop_ids
+        )
         self._state: RequestState | None = None
         self._result: GenerationResult | None = None
+        self._decode_started = 0.0
+
+    @property
+    def owner(self) -> SpeculativeGenerator:
+        return self._owner
+
+    @property
+    def state(self) -> RequestState | None:
+        """None until ``start()``."""
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
 
     @property
     def result(self) -> GenerationResult:
@@ -315,31 +381,73 @@ class GenerationStream:
         return self._result
 
     def __iter__(self) -> Iterator[StepOutput]:
-        owner, config = self._owner, self._config
-        stop_ids = set(
-            config.stop_token_ids if config.stop_token_ids is not None else owner.default_stop_ids
-        )
+        output = self.start()
+        if output.token_ids:
+            yield output
+        while not self.done:
+            output = self.step()
+            if output.token_ids:
+                yield output
+
+    def start(self) -> StepOutput:
+        """Prefill the prompt and commit the first token."""
+        if self._state is not None:
+            raise RuntimeError("the stream was already started")
+        owner = self._owner
         started = time.perf_counter()
         prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=owner.target.device)
-        # Grad mode and the scope are entered per step, never held across a yield: the consumer
-        # (a server interleaving requests, a training loop) runs in its own modes between steps.
         with torch.inference_mode(), self._scope():
-            state = owner.prefill(prompt, config)
+            state = owner.prefill(prompt, self._config)
         self._state = state
         state.stats.prompt_tokens = len(self._prompt_ids)
         state.stats.prefill_seconds = time.perf_counter() - started
-        output = self._commit(state, [state.root_token], stop_ids)
-        if output.token_ids:
-            yield output
-        decode_started = time.perf_counter()
-        while state.finish_reason is None:
-            with torch.inference_mode(), self._scope():
-                committed = owner.step(state, config)
-            with record_function("selfspec.detokenize"):
-                output = self._commit(state, committed, stop_ids)
-            state.stats.decode_seconds = time.perf_counter() - decode_started
-            if output.token_ids:
-                yield output
+        output = self._commit(state, [state.root_token], self._stop_ids)
+        self._decode_started = time.perf_counter()
+        self._finish_if_stopped(state)
+        return output
+
+    def step(self) -> StepOutput:
+        """One decoding step with its own verification forward."""
+        return self.verify(self.draft())
+
+    def verify(self, drafted: DraftedStep) -> StepOutput:
+        """Finish the step of ``draft()`` with a verification forward of its own."""
+        state = self._decoding_state()
+        with torch.inference_mode(), self._scope():
+            committed = self._owner.verify(state, self._config, drafted)
+        return self._after_step(state, committed)
+
+    def draft(self) -> DraftedStep:
+        """The next step's tree; its forward is the caller's, then ``conclude``."""
+        state = self._decoding_state()
+        with torch.inference_mode(), self._scope():
+            return self._owner.draft(state, self._config)
+
+    def conclude(self, drafted: DraftedStep, features: torch.Tensor) -> StepOutput:
+        """Finish the step of ``draft()``: features # [T, H] of its tree, whose KV entries the
+        caller's forward appended to this request's cache."""
+        state = self._decoding_state()
+        with torch.inference_mode(), self._scope():
+            committed = self._owner.conclude(state, self._config, drafted, features)
+        return self._after_step(state, committed)
+
+    def _decoding_state(self) -> RequestState:
+        if self._state is None:
+            raise RuntimeError("start() the stream first")
+        if self.done:
+            raise RuntimeError("the stream has finished")
+        return self._state
+
+    def _after_step(self, state: RequestState, committed: list[int]) -> StepOutput:
+        with record_function("selfspec.detokenize"):
+            output = self._commit(state, committed, self._stop_ids)
+        state.stats.decode_seconds = time.perf_counter() - self._decode_started
+        self._finish_if_stopped(state)
+        return output
+
+    def _finish_if_stopped(self, state: RequestState) -> None:
+        if state.finish_reason is None:
+            return
         state.stats.new_tokens = len(state.token_ids)
         self._result = GenerationResult(
             token_ids=state.token_ids,

@@ -55,6 +55,7 @@ class ServerState:
     """Every speculative request's tree; None: the generator's default (adaptive with a curve)."""
     max_running: int = 16
     max_queue: int = 64
+    batch_verify: bool = True
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -65,7 +66,9 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.engine = Engine(self.store, self.metrics, self.max_running, self.max_queue)
+        self.engine = Engine(
+            self.store, self.metrics, self.max_running, self.max_queue, self.batch_verify
+        )
         self.served = set(self.store.names()) if self.store is not None else set()
 
     @property

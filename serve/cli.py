@@ -43,7 +43,22 @@ class ServeArgs:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     max_running: int = field(
-        default=16, metadata={"help": "requests decoded at once, interleaved step by step"}
+        default=16,
+        metadata={"help": "requests decoded at once (their draft trees verified in one forward)"},
+    )
+    lora_backend: str = field(
+        default="fast",
+        metadata={
+            "help": "how adapters are applied: fast (stacked weights, per-row in a mixed batch; "
+            "adapters it cannot represent fall back to peft) or peft (peft's own layers)"
+        },
+    )
+    batch_verify: bool = field(
+        default=True,
+        metadata={
+            "help": "verify the running requests' trees in one target forward; off: one forward "
+            "per request, interleaved"
+        },
     )
     max_queue: int = field(
         default=64, metadata={"help": "requests waiting for a slot; more are answered 429"}
@@ -78,11 +93,13 @@ class ServeArgs:
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
+        if self.lora_backend not in ("fast", "peft"):
+            raise ValueError(f"--lora-backend must be fast or peft, got {self.lora_backend!r}")
 
 
 def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `selfspec --help`
     from selfspec.adapters.shipped import examples_root
-    from selfspec.adapters.store import AdapterStore
+    from selfspec.adapters.store import AdapterStore, StoreConfig
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
@@ -99,7 +116,9 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     if root is None and is_default and not args.lora_modules:
         root = examples_root()
     modules = dict(m.partition("=")[::2] for m in args.lora_modules)
-    store = AdapterStore(target.model, root=root, adapters=modules)
+    store = AdapterStore(
+        target.model, root=root, adapters=modules, config=StoreConfig(backend=args.lora_backend)
+    )
     tree = parse_tree_spec(args.tree)
     # Adaptive trees (the default) size their steps from this machine's measured cost curve.
     curve = (
@@ -116,6 +135,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         tree=tree,
         max_running=args.max_running,
         max_queue=args.max_queue,
+        batch_verify=args.batch_verify,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,
     )

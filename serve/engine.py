@@ -1,12 +1,16 @@
-"""The engine: ONE worker thread owns the model and interleaves the active requests step by step.
+"""The engine: ONE worker thread owns the model and advances the running requests in rounds.
 
-Iteration-level scheduling: each round takes the next decoding step (draft -> one tree forward
--> verify -> commit) of every running request in turn, each under its own adapter's scope
-(`AdapterStore.scope`); waiting requests join between rounds and finished or cancelled ones
-leave. A request's state (KV cache, draft state, generator) is its own, and a step sees only
-that request, so its output never depends on what else is running: greedy output equals the
-request run alone. The cost is one target forward per request per round (no mixed-adapter batched
-forward yet; `AdapterStore.batch_scope` exists for that next step).
+Iteration-level scheduling: each round, new requests prefill (one forward each), and every
+decoding request drafts its tree; then the trees of all of them are verified in ONE target
+forward (`selfspec.batched_verify`: ragged caches and trees, padded and masked per row) under a
+mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each
+request concludes its step (verify, commit, stream). Waiting requests join between rounds and
+finished or cancelled ones leave. Requests whose adapters fell back to peft form a batch of
+their own (one forward cannot mix the two LoRA paths). A request's state (KV cache, draft
+state, generator) is its own and a row of the batch sees only its own cache, so output never
+depends on what else is running (up to float summation order in batched kernels; the tests
+check that greedy outputs equal the requests run alone). `batch_verify=False` interleaves one
+forward per request instead (the behaviour before batching, kept for comparison).
 
 The HTTP side talks to the worker through `RequestHandle`s, one per HTTP request: an HTTP
 request asking for `n` choices is `n` engine requests (jobs) admitted together, all or none,
@@ -23,11 +27,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
+
+import torch
 
 from selfspec.adapters.errors import StoreFull
-from selfspec.adapters.store import AdapterStore
+from selfspec.adapters.store import AdapterStore, LoraBackend
+from selfspec.batched_verify import verify_features
 from selfspec.generation import GenerationResult, GenerationStream, StepOutput
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.metrics import ServerMetrics
@@ -60,7 +69,6 @@ class Job:
     admitted: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
-    steps: Iterator[StepOutput] | None = None
     resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     cancelled: threading.Event = field(default_factory=threading.Event)
     queue_seconds: float = 0.0
@@ -113,8 +121,9 @@ class RequestHandle:
 
 
 class Engine:
-    """Runs admitted requests on one worker thread. `max_running` requests are interleaved;
-    up to `max_queue` more wait; beyond that `submit` answers 429."""
+    """Runs admitted requests on one worker thread. `max_running` requests run together (their
+    trees verified in one forward when `batch_verify`); up to `max_queue` more wait; beyond that
+    `submit` answers 429."""
 
     def __init__(
         self,
@@ -122,6 +131,7 @@ class Engine:
         metrics: ServerMetrics,
         max_running: int = 16,
         max_queue: int = 64,
+        batch_verify: bool = True,
     ) -> None:
         if max_running < 1 or max_queue < 0:
             raise ValueError(
@@ -131,6 +141,7 @@ class Engine:
         self.metrics = metrics
         self.max_running = max_running
         self.max_queue = max_queue
+        self.batch_verify = batch_verify
         self.peak_running = 0
         """Most requests ever interleaved at once."""
         self._waiting: deque[Job] = deque()
@@ -252,58 +263,129 @@ class Engine:
                 self.metrics.waiting.set(len(self._waiting))
                 self.metrics.running.set(len(self._running))
                 round_ = list(self._running)
-            for job in round_:
-                if not self._step(job):
-                    with self._cond:
+            left = self._round(round_)
+            if left:
+                with self._cond:
+                    for job in left:
                         self._running.remove(job)
-                        self.metrics.running.set(len(self._running))
-                        self._cond.notify_all()
+                    self.metrics.running.set(len(self._running))
+                    self._cond.notify_all()
 
-    def _step(self, job: Job) -> bool:
-        """One decoding step of `job`; False once it has left (finished, failed, cancelled)."""
-        if job.cancelled.is_set():
-            self._finish(job, Event("cancelled", index=job.index), "cancelled")
-            return False
-        try:
-            if job.steps is None:
-                job.started = time.perf_counter()
-                job.queue_seconds = job.started - job.admitted
-                self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
-                if self.store is not None:
-                    # Resident for the whole request: never evicted between its steps.
-                    job.resources.enter_context(self.store.pinned(job.adapter))
-                job.steps = iter(job.stream)
-            output = next(job.steps)
-        except StopIteration:
-            result = job.stream.result
-            self.metrics.latency.labels(job.label).observe(time.perf_counter() - job.admitted)
-            self.metrics.record_finished(job.label, result.stats, job.speculate)
-            self._finish(job, Event("done", result=result, index=job.index), "completed")
-            return False
-        except Exception as error:  # one request failing must not stop the others
-            if isinstance(error, StoreFull):  # every resident slot is pinned by a request
-                logger.warning("request on %s refused: %s", job.label, error)
-                api_error = APIError(503, str(error), "service_unavailable", code="adapters_busy")
+    def _round(self, jobs: list[Job]) -> list[Job]:
+        """One step of every job (prefill for new ones). Returns the jobs that left."""
+        left, decoding = [], []
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._finish(job, Event("cancelled", index=job.index), "cancelled")
+                left.append(job)
+            elif job.started is None:
+                if not self._guarded(job, partial(self._start, job)):
+                    left.append(job)
             else:
-                logger.exception("request on %s failed", job.label)
-                api_error = APIError(
-                    500, f"generation failed: {type(error).__name__}: {error}", "server_error"
+                decoding.append(job)
+        if not self.batch_verify:
+            left += [job for job in decoding if not self._guarded(job, job.stream.step)]
+            return left
+        for batch in self._batches(decoding):
+            left += self._step_together(batch)
+        return left
+
+    def _start(self, job: Job) -> StepOutput:
+        job.started = time.perf_counter()
+        job.queue_seconds = job.started - job.admitted
+        self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
+        if self.store is not None:
+            # Resident for the whole request: never evicted between its steps.
+            job.resources.enter_context(self.store.pinned(job.adapter))
+        return job.stream.start()
+
+    def _batches(self, jobs: list[Job]) -> list[list[Job]]:
+        """Jobs whose trees can share one forward: the same generator, and adapters on one LoRA
+        path (the fast path's per-row weights or peft's per-row adapter names, never both)."""
+        batches: dict[tuple[int, bool], list[Job]] = {}
+        for job in jobs:
+            on_peft = (
+                self.store is not None
+                and job.adapter is not None
+                and self.store.backend_of(job.adapter) is LoraBackend.PEFT
+            )
+            batches.setdefault((id(job.stream.owner), on_peft), []).append(job)
+        return list(batches.values())
+
+    def _step_together(self, jobs: list[Job]) -> list[Job]:
+        """Draft each job's tree, verify them all in one target forward under a mixed-adapter
+        scope, conclude each. Returns the jobs that left. Should the shared forward fail, each
+        drafted tree is verified alone, so one bad request cannot fail the others."""
+        left, drafted = [], []
+        for job in jobs:
+            try:
+                drafted.append((job, job.stream.draft()))
+            except Exception as error:
+                self._fail(job, error)
+                left.append(job)
+        if not drafted:
+            return left
+        if len(drafted) == 1:
+            job, step = drafted[0]
+            self.metrics.batch_size.observe(1)
+            return left + ([] if self._guarded(job, partial(job.stream.verify, step)) else [job])
+        try:
+            names = [job.adapter for job, _ in drafted]
+            scope = self.store.batch_scope(names) if self.store is not None else nullcontext()
+            with torch.inference_mode(), scope:
+                features = verify_features(
+                    drafted[0][0].stream.owner.target,
+                    [(job.stream.state, step) for job, step in drafted],
                 )
-            self._finish(job, Event("error", error=api_error, index=job.index), "error")
+        except Exception:
+            logger.exception("batched verification of %d requests failed; one by one", len(drafted))
+            for job, step in drafted:
+                if not self._guarded(job, partial(job.stream.verify, step)):
+                    left.append(job)
+            return left
+        self.metrics.batch_size.observe(len(drafted))
+        for (job, step), own in zip(drafted, features, strict=True):
+            if not self._guarded(job, partial(job.stream.conclude, step, own)):
+                left.append(job)
+        return left
+
+    def _guarded(self, job: Job, action: Callable[[], StepOutput]) -> bool:
+        """Run one piece of `job`'s decoding and deliver its output; False once it has left
+        (finished or failed). A failure ends only this job."""
+        try:
+            output = action()
+        except Exception as error:
+            self._fail(job, error)
             return False
-        if job.first_token is None:
-            job.first_token = time.perf_counter()
-            self.metrics.ttft.labels(job.label).observe(job.first_token - job.admitted)
-        self.metrics.generation_tokens.labels(job.label).inc(len(output.token_ids))
-        job.handle.emit(Event("delta", output=output, index=job.index))
-        return True
+        if output.token_ids:
+            if job.first_token is None:
+                job.first_token = time.perf_counter()
+                self.metrics.ttft.labels(job.label).observe(job.first_token - job.admitted)
+            self.metrics.generation_tokens.labels(job.label).inc(len(output.token_ids))
+            job.handle.emit(Event("delta", output=output, index=job.index))
+        if not job.stream.done:
+            return True
+        result = job.stream.result
+        self.metrics.latency.labels(job.label).observe(time.perf_counter() - job.admitted)
+        self.metrics.record_finished(job.label, result.stats, job.speculate)
+        self._finish(job, Event("done", result=result, index=job.index), "completed")
+        return False
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        if isinstance(error, StoreFull):  # every resident slot is pinned by a request
+            logger.warning("request on %s refused: %s", job.label, error)
+            api_error = APIError(503, str(error), "service_unavailable", code="adapters_busy")
+        else:
+            logger.error("request on %s failed", job.label, exc_info=error)
+            api_error = APIError(
+                500, f"generation failed: {type(error).__name__}: {error}", "server_error"
+            )
+        self._finish(job, Event("error", error=api_error, index=job.index), "error")
 
     def _finish(self, job: Job, event: Event, outcome: str) -> None:
         try:
-            if job.steps is not None:
-                job.steps.close()
             job.resources.close()
         finally:
-            job.steps = job.stream = None  # the request's KV cache and draft state go with them
+            job.stream = None  # the request's KV cache and draft state go with them
             self.metrics.requests.labels(job.label, outcome).inc()
             job.handle.emit(event)

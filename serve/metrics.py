@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from selfspec.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ServerMetrics:
@@ -80,6 +81,12 @@ class ServerMetrics:
             "selfspec_spec_accepted_at_depth",
             "Speculative steps whose accepted path reached this depth",
             ["adapter", "depth"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "selfspec_verify_batch_requests",
+            "Requests whose draft trees one target forward verified",
+            buckets=BATCH_BUCKETS,
             registry=r,
         )
         self.running = Gauge("selfspec_requests_running", "Requests being decoded", registry=r)

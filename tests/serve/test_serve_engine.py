@@ -46,15 +46,32 @@ REQUESTS = [
 ]
 
 
-def test_concurrent_requests_on_different_adapters_equal_serial(server_for) -> None:
-    with server_for(max_running=8, max_queue=8) as (url, state, _):
+@pytest.mark.parametrize(
+    ("batch_verify", "backend"),
+    [(True, "fast"), (True, "peft"), (False, "fast")],
+    ids=["one-forward", "one-forward-peft", "interleaved"],
+)
+def test_concurrent_requests_on_different_adapters_equal_serial(
+    server_for, batch_verify: bool, backend: str
+) -> None:
+    settings = dict(max_running=8, max_queue=8, batch_verify=batch_verify, lora_backend=backend)
+    with server_for(**settings) as (url, state, _):
         bodies = [{**b, "max_tokens": 24, "ignore_eos": True} for b in REQUESTS]
         serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
         assert state.engine.peak_running == 1
+        forwards = _metric(url, "selfspec_verify_batch_requests_count")
+        rows = _metric(url, "selfspec_verify_batch_requests_sum")
+        assert rows == forwards, "a request running alone was verified with others"
         with ThreadPoolExecutor(len(bodies)) as pool:
             replies = list(pool.map(lambda body: _post(url, body), bodies))
         assert [r.json()["choices"][0]["text"] for r in replies] == serial
         assert state.engine.peak_running >= 2, "the requests were never interleaved"
+        forwards = _metric(url, "selfspec_verify_batch_requests_count") - forwards
+        rows = _metric(url, "selfspec_verify_batch_requests_sum") - rows
+        if batch_verify:  # mixed adapters, speculating or not, greedy or sampled: one forward
+            assert rows / forwards > 2, f"{rows} trees in {forwards} forwards: barely batched"
+        else:
+            assert forwards == rows == 0
         # Streamed concurrently too: same text.
         with ThreadPoolExecutor(len(bodies)) as pool:
             streamed = list(pool.map(lambda body: _stream_text(url, body), bodies))

@@ -1,0 +1,136 @@
+"""Several requests' trees verified in one forward give each request its own output.
+
+Requests differ in prompt length, tree, speculation on/off, greedy/sampled, and finish at
+different steps, so the batch is ragged in cache length and tree size and shrinks as it runs.
+Models are redrawn at a larger scale (as in test_generation.py) so outputs are varied and top-2
+gaps are well above float noise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny_models import ARCHS, make_tiny_model
+from transformers import PreTrainedModel
+
+from selfspec.batched_verify import verify_features
+from selfspec.generation import GenerationConfig, GenerationStream, SpeculativeGenerator
+from selfspec.heads import build_heads, heads_config_for
+from selfspec.sampling import SamplingParams
+from selfspec.tree import DynamicTree, StaticTree
+
+PROMPTS = ([1, 23, 5, 61, 8, 30], [1, 7, 44, 9, 12, 70, 3, 18, 52, 26, 11], [1, 90])
+NO_STOP: tuple[int, ...] = ()
+
+
+@functools.cache
+def _generator(arch: str, kind: str) -> SpeculativeGenerator:
+    model = make_tiny_model(arch, seed=0)
+    generator = torch.Generator().manual_seed(ARCHS.index(arch))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                big = any(part in name for part in ("embed", "wte", "wpe", "lm_head"))
+                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 if big else 0.2))
+        heads = build_heads(heads_config_for(model, kind))
+        for param in heads.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return SpeculativeGenerator(model, heads.eval())
+
+
+def _configs() -> list[GenerationConfig]:
+    return [
+        GenerationConfig(
+            max_new_tokens=20, tree=DynamicTree(top_k=3, depth=3, budget=9), stop_token_ids=NO_STOP
+        ),
+        GenerationConfig(max_new_tokens=13, tree=StaticTree.chain(2), stop_token_ids=NO_STOP),
+        GenerationConfig(max_new_tokens=17, speculate=False, stop_token_ids=NO_STOP),
+    ]
+
+
+def _run_batched(streams: list[GenerationStream], model: PreTrainedModel) -> None:
+    for stream in streams:
+        stream.start()
+    target = streams[0].owner.target
+    while active := [s for s in streams if not s.done]:
+        drafted = [s.draft() for s in active]
+        with torch.inference_mode():
+            features = verify_features(
+                target, [(s.state, d) for s, d in zip(active, drafted, strict=True)]
+            )
+        for stream, step, own in zip(active, drafted, features, strict=True):
+            stream.conclude(step, own)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_equals_each_request_alone(arch: str, kind: str) -> None:
+    generator = _generator(arch, kind)
+    configs = _configs()
+    alone = [generator.generate(p, c).token_ids for p, c in zip(PROMPTS, configs, strict=True)]
+    streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
+    _run_batched(streams, generator.target.model)
+    together = [s.result.token_ids for s in streams]
+    assert together == alone
+    assert [len(t) for t in together] == [20, 13, 17]  # ragged: the batch shrank as rows finished
+    assert len(set(map(tuple, together))) == 3
+
+
+def test_batched_sampling_equals_each_request_alone() -> None:
+    """Seeded sampling consumes each request's own generator the same way in a batch."""
+    generator = _generator("llama", "eagle")
+    sampled = SamplingParams(temperature=0.9, top_k=20)
+    configs = [
+        GenerationConfig(max_new_tokens=15, sampling=sampled, seed=seed, stop_token_ids=NO_STOP)
+        for seed in (3, 4, 5)
+    ]
+    alone = [generator.generate(p, c).token_ids for p, c in zip(PROMPTS, configs, strict=True)]
+    streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
+    _run_batched(streams, generator.target.model)
+    assert [s.result.token_ids for s in streams] == alone
+
+
+def test_batched_features_and_cache_match_a_forward_of_its_own() -> None:
+    generator = _generator("qwen2", "eagle")
+    config = GenerationConfig(
+        max_new_tokens=8, tree=DynamicTree(top_k=2, depth=2, budget=5), stop_token_ids=NO_STOP
+    )
+    pairs = []
+    for prompt in PROMPTS:
+        batched, alone = generator.stream(prompt, config), generator.stream(prompt, config)
+        batched.start(), alone.start()
+        pairs.append((batched, alone))
+    drafted = [b.draft() for b, _ in pairs]
+    with torch.inference_mode():
+        features = verify_features(
+            generator.target, [(b.state, d) for (b, _), d in zip(pairs, drafted, strict=True)]
+        )
+        for (_, alone), step, got in zip(pairs, drafted, features, strict=True):
+            state = alone.state
+            want = generator.target.features(
+                step.tree.tokens[None],
+                step.buffers.position_ids,
+                state.cache,
+                step.buffers.attention_mask,
+            )[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for (batched, alone), _ in zip(pairs, drafted, strict=True):
+        for own, reference in zip(
+            batched.state.cache.layers, alone.state.cache.layers, strict=True
+        ):
+            assert own.keys.shape == reference.keys.shape
+            torch.testing.assert_close(own.keys, reference.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(own.values, reference.values, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unconcluded_step_is_refused() -> None:
+    generator = _generator("llama", "eagle")
+    stream = generator.stream(PROMPTS[0], _configs()[0])
+    stream.start()
+    step = stream.draft()
+    with torch.inference_mode():
+        verify_features(generator.target, [(stream.state, step)])
+        with pytest.raises(ValueError, match="not concluded"):
+            verify_features(generator.target, [(stream.state, step)])
