@@ -5,7 +5,10 @@ shipped EAGLE heads, the shipped example adapters and the default tree (`auto`: 
 from this machine's cost curve). Then, for each cell of the matrix
 
     speculation on / off  (the request field "speculation": false = vanilla decoding)
-  x batching on / off     (the engine's max_running = clients, or 1: one request at a time)
+  x batching              one-forward: max_running = clients, the running requests' trees
+                          verified in ONE target forward (mixed adapters, ragged trees);
+                          interleaved: max_running = clients, one forward per request;
+                          off: max_running = 1, one request at a time
 
 N client threads send greedy streaming chat completions (a random held-out prompt on a random
 served model, the base included) for T seconds or until `--max-requests`, and the cell reports
@@ -44,6 +47,7 @@ from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.serve.metrics import ServerMetrics
 
+BATCHING = ("one-forward", "interleaved", "off")
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 REQUEST_TIMEOUT_S = 600.0
 
@@ -51,7 +55,7 @@ REQUEST_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class LoadConfig:
     clients: int = 4
-    """Concurrent clients; also the engine's max_running when batching is on."""
+    """Concurrent clients; also the engine's max_running when batching."""
     duration: float = 30.0
     """Seconds each cell keeps starting requests (in-flight ones then finish)."""
     max_requests: int | None = None
@@ -98,7 +102,8 @@ class Sample:
 @dataclass
 class Cell:
     speculation: bool
-    batching: bool
+    batching: str
+    """one-forward, interleaved or off (BATCHING)."""
     max_running: int
     samples: list[Sample] = field(default_factory=list)
     wall_seconds: float = 0.0
@@ -160,7 +165,7 @@ def run_cell(
     lock = threading.Lock()
     started = [0]
     deadline = time.monotonic() + config.duration
-    name = f"speculation {_on(cell.speculation)}, batching {_on(cell.batching)}"
+    name = f"speculation {_on(cell.speculation)}, batching {cell.batching}"
     bar = tqdm(total=config.max_requests, desc=name, unit="req", leave=False)
 
     def client(index: int) -> None:
@@ -253,7 +258,7 @@ def markdown(rows: list[dict[str, object]]) -> str:
     for row in rows:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(row["errors"].items())) or "0"
         lines.append(
-            f"| {_on(row['speculation'])} | {_on(row['batching'])} ({row['max_running']}) "
+            f"| {_on(row['speculation'])} | {row['batching']} ({row['max_running']}) "
             f"| {row['requests']} | {row['requests_per_second']:.2f} "
             f"| {row['output_tokens_per_second']:.1f} "
             f"| {ms(row['ttft_p50_s'])} | {ms(row['ttft_p99_s'])} "
@@ -305,15 +310,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{config.clients} clients, {config.duration:g} s per cell", flush=True)
     cells: list[Cell] = []
     references: dict[tuple[str, int], str] = {}
-    for batching in (True, False):
-        max_running = config.clients if batching else 1
-        state = replace(base, max_running=max_running, metrics=ServerMetrics())
+    for batching in BATCHING:
+        max_running = 1 if batching == "off" else config.clients
+        state = replace(
+            base,
+            max_running=max_running,
+            batch_verify=batching == "one-forward",
+            metrics=ServerMetrics(),
+        )
         with running_server(state) as (url, _):
             for speculation in (True, False):
                 cell = Cell(speculation, batching, max_running)
                 run_cell(url, cell, config, models, prompts)
                 cells.append(cell)
-            if not batching:  # the last server: now idle, it runs the serial references
+            if batching == "off":  # the last server: now idle, it runs the serial references
                 references = serial_references(url, cells, config, prompts)
 
     rows = [summarize(cell, references) for cell in cells]

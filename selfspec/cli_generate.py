@@ -68,6 +68,13 @@ class GenerateArgs:
     adapters_root: str | None = field(
         default=None, metadata={"help": "directory of adapter directories that --adapter names"}
     )
+    adapter_heads: bool = field(
+        default=True,
+        metadata={
+            "help": "an adapter carrying recalibrated heads (<adapter>/heads/) speculates with "
+            "them; off: --heads"
+        },
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
@@ -121,9 +128,15 @@ def main(argv: Sequence[str]) -> int:
             # Its errors are ValueErrors, reported below like any other bad input.
             from selfspec.adapters.select import select_adapter
 
-            _, _, scope = select_adapter(
+            store, name, scope = select_adapter(
                 target.model, args.adapter, args.adapters_root, args.model in (None, "default")
             )
+            own_heads = store.info(name).heads_path
+            if heads is not None and args.adapter_heads and own_heads is not None:
+                from selfspec.heads import load_heads
+
+                heads = load_heads(own_heads, target.model)
+                print(f"{PROG}: speculating with {name}'s own heads ({own_heads})", file=sys.stderr)
         # Adaptive trees (the default) size each step from this machine's measured cost curve:
         # measured once (a few seconds), then read from the cache.
         curve = (

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
+from selfspec.heads import load_heads
 from selfspec.sampling import SamplingParams
 from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
@@ -65,6 +66,11 @@ class ServerState:
     """Adapters requests may name: the store's at start, plus runtime loads, minus unloads."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    adapter_heads: bool = True
+    """Requests on an adapter that carries recalibrated heads (``<adapter>/heads/``, see
+    ``selfspec recalibrate``) speculate with those; False: the shared heads for all."""
+    _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, init=False)
+
     def __post_init__(self) -> None:
         self.engine = Engine(
             self.store, self.metrics, self.max_running, self.max_queue, self.batch_verify
@@ -74,6 +80,31 @@ class ServerState:
     @property
     def can_speculate(self) -> bool:
         return self.generator.drafter is not None
+
+    def generator_for(self, adapter: str | None) -> SpeculativeGenerator:
+        """The shared generator, or one over the same target with the adapter's own heads
+        (loaded once, on its first request). Bad heads: 400 naming the adapter."""
+        if adapter is None or self.store is None or not self.adapter_heads:
+            return self.generator
+        if not self.can_speculate:
+            return self.generator
+        heads_path = self.store.info(adapter).heads_path
+        if heads_path is None:
+            return self.generator
+        with self.lock:
+            own = self._generators.get(adapter)
+            if own is None:
+                try:
+                    heads = load_heads(heads_path, self.store.base_model)
+                except ValueError as error:  # malformed, or made for another base
+                    raise bad_request(
+                        f"adapter {adapter!r} carries heads that cannot be used: {error}", "model"
+                    ) from error
+                own = SpeculativeGenerator(
+                    self.store.base_model, heads, self.tokenizer, self.generator.cost_curve
+                )
+                self._generators[adapter] = own
+            return own
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -172,7 +203,7 @@ async def _serve(
         raise bad_request(
             "this server has no draft heads: speculation is unavailable", "speculation"
         )
-    generator = state.generator
+    generator = state.generator_for(adapter) if speculate else state.generator
     sampling = SamplingParams(
         temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p
     )
@@ -498,6 +529,7 @@ def _load_adapter(state: ServerState, name: str, path: str) -> None:
 def _unload_adapter(state: ServerState, name: str) -> None:
     with state.lock:
         state.served.discard(name)  # no new request may name it from now on
+        state._generators.pop(name, None)  # running requests keep theirs; a reload reads anew
     try:
         state.store.unload(name)
     except AdapterError as error:

@@ -53,6 +53,13 @@ class ServeArgs:
             "adapters it cannot represent fall back to peft) or peft (peft's own layers)"
         },
     )
+    adapter_heads: bool = field(
+        default=True,
+        metadata={
+            "help": "requests on an adapter carrying recalibrated heads (<adapter>/heads/) "
+            "speculate with them; off: the shared heads for every adapter"
+        },
+    )
     batch_verify: bool = field(
         default=True,
         metadata={
@@ -136,6 +143,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         max_running=args.max_running,
         max_queue=args.max_queue,
         batch_verify=args.batch_verify,
+        adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,
     )

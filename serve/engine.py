@@ -300,8 +300,9 @@ class Engine:
         return job.stream.start()
 
     def _batches(self, jobs: list[Job]) -> list[list[Job]]:
-        """Jobs whose trees can share one forward: the same generator, and adapters on one LoRA
-        path (the fast path's per-row weights or peft's per-row adapter names, never both)."""
+        """Jobs whose trees can share one forward: the same target (their heads may differ), and
+        adapters on one LoRA path (the fast path's per-row weights or peft's per-row adapter
+        names, never both)."""
         batches: dict[tuple[int, bool], list[Job]] = {}
         for job in jobs:
             on_peft = (
@@ -309,7 +310,7 @@ class Engine:
                 and job.adapter is not None
                 and self.store.backend_of(job.adapter) is LoraBackend.PEFT
             )
-            batches.setdefault((id(job.stream.owner), on_peft), []).append(job)
+            batches.setdefault((id(job.stream.owner.target.model), on_peft), []).append(job)
         return list(batches.values())
 
     def _step_together(self, jobs: list[Job]) -> list[Job]:

@@ -62,3 +62,28 @@ def test_generate_with_unknown_adapter_is_a_clear_error(capsys, target_and_heads
     )
     assert code == 2
     assert "unknown adapter 'nope'" in err and "all.linear, attn, mlp_down" in err
+
+
+def test_generate_uses_the_adapters_own_heads(capsys, target_and_heads, adapter_root, tmp_path):
+    import shutil
+
+    target, heads = target_and_heads
+    shutil.copytree(adapter_root / "attn", tmp_path / "attn")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    own = build_heads(heads_config_for(model, "eagle"))
+    save_heads(own, tmp_path / "attn" / "heads", fingerprint_of(model))
+    common = ["--prompt", PROMPT, "--model", str(target), "--heads", str(heads)]
+    common += ["--tree", "chain:2"]
+    runs = {}
+    for flag in ("--adapter-heads", "--no-adapter-heads"):
+        code = main(["generate", "--no-chat", "--json", "--max-new-tokens", str(NEW), *common,
+                     "--adapter", str(tmp_path / "attn"), flag])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        runs[flag] = (json.loads(captured.out)["token_ids"], captured.err)
+    assert "speculating with attn's own heads" in runs["--adapter-heads"][1]
+    assert "own heads" not in runs["--no-adapter-heads"][1]
+    expected = reference_under(adapter_root / "attn", make_tiny_tokenizer().encode(PROMPT), NEW)
+    assert runs["--adapter-heads"][0] == runs["--no-adapter-heads"][0] == expected

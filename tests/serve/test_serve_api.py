@@ -261,3 +261,46 @@ def test_adaptive_default_tree_serves_the_same_text(server_for, main_server) -> 
             fixed = _complete(url, model).json()
             assert adaptive["choices"][0]["text"] == fixed["choices"][0]["text"]
             assert adaptive["selfspec"]["speculation"] is True
+
+
+def _adapter_with_heads(assets, root, kind: str, base_arch: str = "llama") -> None:
+    """`root/attn`: the attn adapter carrying heads of its own (made for `base_arch`)."""
+    from tiny_models import make_tiny_model
+
+    from selfspec.fingerprint import fingerprint_of
+    from selfspec.heads import build_heads, heads_config_for, save_heads
+
+    shutil.copytree(assets["adapters"] / "attn", root / "attn")
+    model = make_tiny_model(base_arch, 1 if base_arch == "llama" else 0)
+    heads = build_heads(heads_config_for(model, kind, num_heads=2))
+    save_heads(heads, root / "attn" / "heads", fingerprint_of(make_tiny_model(base_arch, 0)))
+
+
+def test_adapter_carrying_its_own_heads_speculates_with_them(server_for, assets, tmp_path) -> None:
+    from selfspec.heads.medusa import MedusaHeads
+
+    _adapter_with_heads(assets, tmp_path, "medusa")
+    texts = []
+    for own in (True, False):
+        settings = dict(adapters_root=str(tmp_path), adapter_heads=own, tree="chain:2")
+        with server_for(**settings) as (url, state, _):
+            reply = _complete(url, "attn").json()
+            assert reply["selfspec"]["speculation"] is True
+            texts.append(reply["choices"][0]["text"])
+            texts.append(_complete(url, "attn", speculation=False).json()["choices"][0]["text"])
+            used = state.generator_for("attn")
+            assert isinstance(used.heads, MedusaHeads) == own
+            assert (used is state.generator) != own
+            assert state.generator_for(None) is state.generator
+    assert len(set(texts)) == 1, "lossless with either heads"
+
+
+def test_adapter_heads_for_another_base_are_a_400_naming_the_adapter(
+    server_for, assets, tmp_path
+) -> None:
+    _adapter_with_heads(assets, tmp_path, "eagle", base_arch="qwen2")
+    with server_for(adapters_root=str(tmp_path)) as (url, _, _):
+        error = _error(_complete(url, "attn"), 400)
+        assert "adapter 'attn' carries heads that cannot be used" in error["message"]
+        assert _complete(url, "attn", speculation=False).status_code == 200
+        assert _complete(url, "tiny-llama").status_code == 200
