@@ -47,23 +47,25 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
     rows = [measure(shared, prompts, settings, scope=store.scope(None), name=BASE)]
     for name in names:
         info = store.info(name)
-        generator, heads_kind = shared, "base"
-        if info.heads_path is not None:  # heads recalibrated for this adapter
+        # The shared heads always (what the adapter keeps of them), and the adapter's own
+        # recalibrated heads too when it carries some (what serving it uses by default).
+        generators = [(shared, "base")]
+        if info.heads_path is not None:
             own = load_heads(info.heads_path, model)
-            generator = SpeculativeGenerator(model, own, target.tokenizer, curve)
-            heads_kind = "own"
+            generators.append((SpeculativeGenerator(model, own, target.tokenizer, curve), "own"))
         with store.pinned(name):
-            rows.append(
-                measure(
-                    generator,
-                    prompts,
-                    settings,
-                    scope=store.scope(name),
-                    name=name,
-                    heads=heads_kind,
-                    meta=_meta(info.path),
+            for generator, heads_kind in generators:
+                rows.append(
+                    measure(
+                        generator,
+                        prompts,
+                        settings,
+                        scope=store.scope(name),
+                        name=name,
+                        heads=heads_kind,
+                        meta=_meta(info.path),
+                    )
                 )
-            )
     report = RobustnessReport(
         rows=with_ratios(rows),
         settings={

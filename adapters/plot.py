@@ -16,7 +16,7 @@ def plot_report(report: RobustnessReport, path: Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    names = [row.name for row in report.rows]
+    names = [f"{row.name} (own heads)" if row.heads == "own" else row.name for row in report.rows]
     colors = ["#7f7f7f"] + ["#1f77b4"] * (len(names) - 1)
     figure, (tau_axis, speed_axis) = plt.subplots(1, 2, figsize=(4 + 1.2 * len(names), 4))
     panels = (

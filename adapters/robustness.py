@@ -99,8 +99,11 @@ class RobustnessReport:
     """Target, heads, dtype, threads, prompts file, tree, machine: how it was measured."""
 
     def below(self, min_ratio: float) -> list[Measurement]:
-        """Adapters whose τ ratio to the base is under `min_ratio`."""
-        return [row for row in self.rows[1:] if row.tau_ratio < min_ratio]
+        """Adapters whose τ ratio to the base is under `min_ratio`, each judged with the heads it
+        is served with: its own when it carries some, else the shared ones."""
+        with_own = {row.name for row in self.rows[1:] if row.heads == "own"}
+        served = [r for r in self.rows[1:] if r.heads == "own" or r.name not in with_own]
+        return [row for row in served if row.tau_ratio < min_ratio]
 
     def mismatched(self) -> list[Measurement]:
         return [row for row in self.rows if not row.lossless]

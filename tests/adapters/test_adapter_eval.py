@@ -89,5 +89,29 @@ def test_adapter_carrying_its_own_heads_is_measured_with_them(
     save_heads(own, root / "attn" / "heads", fingerprint_of(model))
     assert _eval(setup, root, tmp_path / "out", "--no-plot") == 0
     rows = json.loads((tmp_path / "out" / "robustness.json").read_text())["rows"]
-    assert [(row["name"], row["heads"]) for row in rows] == [("(base)", "base"), ("attn", "own")]
-    assert len(rows[1]["acceptance_by_depth"]) <= 2 and rows[1]["lossless"]
+    assert [(row["name"], row["heads"]) for row in rows] == [
+        ("(base)", "base"),
+        ("attn", "base"),
+        ("attn", "own"),
+    ]
+    assert len(rows[2]["acceptance_by_depth"]) <= 2 and all(row["lossless"] for row in rows)
+
+
+def test_gate_judges_an_adapter_by_the_heads_it_is_served_with() -> None:
+    from selfspec.adapters.robustness import Measurement, RobustnessReport, with_ratios
+
+    def row(name: str, heads: str, tau: float) -> Measurement:
+        return Measurement(name, heads, 1, 10, tau, (0.5,), 1.0, 1.0, 1)
+
+    rows = with_ratios([
+        row("(base)", "base", 2.0),
+        row("recalibrated", "base", 1.0),  # drops with the shared heads ...
+        row("recalibrated", "own", 1.9),  # ... but is served with its own
+        row("plain", "base", 1.2),
+    ])
+    report = RobustnessReport(rows=rows, settings={})
+    assert [(r.name, r.heads) for r in report.below(0.8)] == [("plain", "base")]
+    assert [(r.name, r.heads) for r in report.below(0.99)] == [
+        ("recalibrated", "own"),
+        ("plain", "base"),
+    ]
