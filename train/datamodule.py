@@ -22,7 +22,7 @@ from selfspec.train.shards import DistilledDataError, load_distilled
 class DistilledDataModule(L.LightningDataModule):
     def __init__(
         self,
-        train_data: str,
+        train_data: str | list[str],
         val_data: str | None = None,
         val_fraction: float = 0.05,
         batch_size: int = 8,
@@ -33,7 +33,8 @@ class DistilledDataModule(L.LightningDataModule):
     ) -> None:
         """
         Args:
-            train_data: directory written by ``selfspec distill``.
+            train_data: directory written by ``selfspec distill``, or a list of them (e.g.
+                greedy and sampled responses to the same prompts), concatenated.
             val_data: a second distilled directory for validation (held-out prompts).
             val_fraction: share of train rows held out when val_data is not given.
             batch_size: rows per batch (per process under DDP).
@@ -57,7 +58,13 @@ class DistilledDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        data = load_distilled(self.train_data)
+        from datasets import concatenate_datasets
+
+        paths = [self.train_data] if isinstance(self.train_data, str) else list(self.train_data)
+        if not paths:
+            raise DistilledDataError("train_data names no distilled directory")
+        parts = [load_distilled(path) for path in paths]
+        data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
         if self.max_rows is not None:
             data = data.select(range(min(self.max_rows, len(data))))
         _check_rows(data, self.train_data)

@@ -316,8 +316,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
         _refuse_existing(destination, config.overwrite)
         record = {
             "recalibrated_for": name,
-            "adapter_path": str(store.info(name).path),
-            "heads_from": str(heads_dir),
+            "adapter_path": _portable(store.info(name).path),
+            "heads_from": _portable(heads_dir),
             "steps": len(losses),
             "distilled_prompts": config.max_prompts,
             "max_new_tokens": config.max_new_tokens,
@@ -525,3 +525,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: NOT LOSSLESS: {mismatched}", file=sys.stderr)
         return 1
     return 0
+
+
+def _portable(path: Path) -> str:
+    """`path` relative to the working directory when it lies below it (records stay portable)."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(resolved)

@@ -183,3 +183,14 @@ def test_bad_configs_are_clear_errors(
     assert "empty has no finished shard" in capsys.readouterr().err
     with pytest.raises(DistilledDataError):
         DistilledDataModule(str(tmp_path / "empty")).setup()
+
+
+def test_several_distilled_directories_train_as_one(distilled: Path) -> None:
+    one = DistilledDataModule(str(distilled), val_fraction=0)
+    one.setup()
+    both = DistilledDataModule([str(distilled), str(distilled)], val_fraction=0)
+    both.setup()
+    assert len(both.train_set) == 2 * len(one.train_set)
+    assert torch.equal(both.response_token_counts(101), 2 * one.response_token_counts(101))
+    with pytest.raises(DistilledDataError, match="names no distilled directory"):
+        DistilledDataModule([]).setup()
