@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from selfspec.adapters.prompts import default_prompts_file, encode_prompts, read_prompt_file
 from selfspec.adapters.robustness import (
     BASE,
@@ -44,28 +46,39 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
     settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree=parse_tree_spec(args.tree))
     curve = machine_cost_curve(model) if needs_cost_curve(settings.tree) else None
     shared = SpeculativeGenerator(model, heads, target.tokenizer, curve)
-    rows = [measure(shared, prompts, settings, scope=store.scope(None), name=BASE)]
-    for name in names:
-        info = store.info(name)
-        # The shared heads always (what the adapter keeps of them), and the adapter's own
-        # recalibrated heads too when it carries some (what serving it uses by default).
-        generators = [(shared, "base")]
-        if info.heads_path is not None:
-            own = load_heads(info.heads_path, model)
-            generators.append((SpeculativeGenerator(model, own, target.tokenizer, curve), "own"))
-        with store.pinned(name):
-            for generator, heads_kind in generators:
-                rows.append(
-                    measure(
-                        generator,
-                        prompts,
-                        settings,
-                        scope=store.scope(name),
-                        name=name,
-                        heads=heads_kind,
-                        meta=_meta(info.path),
-                    )
+    row_count = 1 + sum(1 + (store.info(n).heads_path is not None) for n in names)
+    with tqdm(total=row_count * len(prompts), desc="eval", unit="prompt") as progress:
+        progress.set_postfix_str(BASE)
+        rows = [
+            measure(
+                shared, prompts, settings, scope=store.scope(None), name=BASE, progress=progress
+            )
+        ]
+        for name in names:
+            info = store.info(name)
+            # The shared heads always (what the adapter keeps of them), and the adapter's own
+            # recalibrated heads too when it carries some (what serving it uses by default).
+            generators = [(shared, "base")]
+            if info.heads_path is not None:
+                own = load_heads(info.heads_path, model)
+                generators.append(
+                    (SpeculativeGenerator(model, own, target.tokenizer, curve), "own")
                 )
+            with store.pinned(name):
+                for generator, heads_kind in generators:
+                    progress.set_postfix_str(f"{name} ({heads_kind} heads)")
+                    rows.append(
+                        measure(
+                            generator,
+                            prompts,
+                            settings,
+                            scope=store.scope(name),
+                            name=name,
+                            heads=heads_kind,
+                            meta=_meta(info.path),
+                            progress=progress,
+                        )
+                    )
     report = RobustnessReport(
         rows=with_ratios(rows),
         settings={

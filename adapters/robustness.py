@@ -144,8 +144,10 @@ def measure(
     name: str = BASE,
     heads: str = "base",
     meta: Mapping[str, Any] | None = None,
+    progress: Any = None,
 ) -> Measurement:
-    """One row: vanilla and speculative greedy decoding of every prompt, alternating."""
+    """One row: vanilla and speculative greedy decoding of every prompt, alternating.
+    progress: a tqdm bar (or anything with ``update()``) advanced once per prompt."""
     speculative_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, tree=settings.tree)
     vanilla_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, speculate=False)
     pooled = GenerationStats()
@@ -161,6 +163,8 @@ def measure(
         vanilla_seconds += vanilla.stats.decode_seconds
         speculative_tokens += speculative.stats.decode_tokens
         speculative_seconds += speculative.stats.decode_seconds
+        if progress is not None:
+            progress.update()
     return Measurement(
         name=name,
         heads=heads,

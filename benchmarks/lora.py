@@ -40,6 +40,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from selfspec.adapters.store import AdapterStore, LoraBackend, StoreConfig
+from selfspec.atomic import write_text_atomic
 from selfspec.target import TargetSpec, load_target
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "adapters" / "examples"
@@ -357,8 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     print(markdown(results))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
+from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
@@ -84,8 +85,8 @@ def main() -> int:
     for name, ms in sorted(phases.items(), key=lambda kv: -kv[1]):
         print(f"| {name} | {ms:.1f} | {ms / step_ms:.0%} |")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"step_ms": step_ms, "phases_ms": phases}, indent=2))
+        report = {"step_ms": step_ms, "phases_ms": phases}
+        write_text_atomic(args.out, json.dumps(report, indent=2) + "\n")
     return 0
 
 

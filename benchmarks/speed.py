@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_model
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
@@ -175,9 +176,9 @@ def main() -> int:
                 bar.update()
     report = summarise(methods, curves, args, prompts)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "speed.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(args.out / "speed.json", json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    (args.out / "speed.md").write_text(table)
+    write_text_atomic(args.out / "speed.md", table)
     print(table)
     return 0
 
