@@ -39,6 +39,7 @@ def plot_report(report: RobustnessReport, path: Path) -> Path:
     os.close(handle)
     try:
         figure.savefig(temporary, dpi=120)
+        os.chmod(temporary, 0o644)  # mkstemp made it private; a report is for everyone
         os.replace(temporary, path)
     finally:
         plt.close(figure)
