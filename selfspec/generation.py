@@ -241,11 +241,15 @@ class SpeculativeGenerator:
             state.draft_state = self.drafter.start(features, prompt, first)
         return state
 
-    def draft(self, state: RequestState, config: GenerationConfig) -> DraftedStep:
-        """The tree this step verifies (the root alone without speculation), with its buffers."""
+    def draft(
+        self, state: RequestState, config: GenerationConfig, batch_size: int = 1
+    ) -> DraftedStep:
+        """The tree this step verifies (the root alone without speculation), with its buffers.
+        batch_size: requests whose trees the verification forward will hold (adaptive sizing
+        prices this tree by its share of that forward)."""
         if config.speculate:
             sizer = (
-                TreeSizer(self.cost_curve, state.calibration, state.cost_scale)
+                TreeSizer(self.cost_curve, state.calibration, state.cost_scale, batch_size)
                 if self.cost_curve is not None
                 else None
             )
@@ -417,11 +421,12 @@ class GenerationStream:
             committed = self._owner.verify(state, self._config, drafted)
         return self._after_step(state, committed)
 
-    def draft(self) -> DraftedStep:
-        """The next step's tree; its forward is the caller's, then ``conclude``."""
+    def draft(self, batch_size: int = 1) -> DraftedStep:
+        """The next step's tree; its forward is the caller's, then ``conclude``. batch_size: the
+        requests that forward will verify together (this one included)."""
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
-            return self._owner.draft(state, self._config)
+            return self._owner.draft(state, self._config, batch_size)
 
     def conclude(self, drafted: DraftedStep, features: torch.Tensor) -> StepOutput:
         """Finish the step of ``draft()``: features # [T, H] of its tree, whose KV entries the

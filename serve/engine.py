@@ -320,7 +320,8 @@ class Engine:
         left, drafted = [], []
         for job in jobs:
             try:
-                drafted.append((job, job.stream.draft()))
+                # Trees are sized for the forward they will share (adaptive trees only).
+                drafted.append((job, job.stream.draft(batch_size=len(jobs))))
             except Exception as error:
                 self._fail(job, error)
                 left.append(job)

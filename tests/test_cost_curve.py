@@ -97,3 +97,25 @@ def test_sizer_stops_drafting_when_another_depth_cannot_pay() -> None:
     # With the budget already used by better nodes, nothing deeper can be kept.
     full = DynamicTree(top_k=2, depth=6, budget=2)
     assert not sizer.grow_deeper(confident, _log([0.8, 0.7]), 0.002, depth=1, spec=full)
+
+
+def test_sizer_prices_a_tree_by_its_share_of_the_batch_forward() -> None:
+    # Flat up to 4 tokens, then linear: a 4-token tree is free alone, not in a batch of 4.
+    curve = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.020, 0.040, 0.080))
+    scores = _log([0.6, 0.5, 0.4])
+    assert TreeSizer(curve).keep(scores, drafting_seconds=0.0) == 3
+    in_batch = TreeSizer(curve, batch_size=4)
+    # One request's share of a forward over 4 x n tokens: curve(4n) / 4.
+    assert in_batch.verify_seconds(1) == pytest.approx(0.010 / 4)
+    assert in_batch.verify_seconds(4) == pytest.approx(0.040 / 4)
+    # Plain decoding: 1 token per 2.5 ms (400/s); the best tree, 1.6 tokens per 5 ms (320/s).
+    assert in_batch.keep(scores, drafting_seconds=0.0) == 0
+    # Where batched tokens stay cheap, a confident draft still pays, though less of it than alone:
+    # 2 nodes give 2.7 tokens per curve(12) / 4 = 4 ms (675/s, above plain decoding's 400/s);
+    # a third (p 0.5) would make it 3.2 tokens per curve(16) / 4 = 5 ms (640/s).
+    gentle = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
+    confident = _log([0.9, 0.8, 0.5])
+    assert TreeSizer(gentle).keep(confident, 0.0) == 3
+    assert TreeSizer(gentle, batch_size=4).keep(confident, 0.0) == 2
+    with pytest.raises(ValueError, match="batch_size"):
+        TreeSizer(curve, batch_size=0)

@@ -450,6 +450,31 @@ def test_adaptive_tree_sizes_follow_the_cost_curve_and_stay_lossless(arch: str, 
     assert max(sizes["flat", False]) == 13  # the whole budget (+ root) when verifying is free
 
 
+FREE_FOR_ONE_TREE = CostCurve(sizes=(1, 13, 14), seconds=(1.0, 1.0, 1000.0))
+"""Free up to one request's whole adaptive tree (12 nodes + root), prohibitive beyond."""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adaptive_trees_are_sized_for_the_batch_that_shares_their_forward(arch: str) -> None:
+    heads = _heads(arch, "eagle", perturbed=True)
+    generator = SpeculativeGenerator(_model(arch), heads, cost_curve=FREE_FOR_ONE_TREE)
+    config = _greedy(DynamicTree(top_k=3, depth=4, budget=12, adaptive=True))
+    sizes = {}
+    for batch in (1, 2, 4):
+        stream = generator.stream(PROMPT, config)
+        stream.start()
+        sizes[batch] = []
+        while not stream.done:
+            drafted = stream.draft(batch_size=batch)
+            sizes[batch].append(drafted.tree.size)
+            stream.verify(drafted)
+        assert stream.result.token_ids == list(_vanilla(arch)), batch
+    # A request's share of a forward over batch x size tokens: free up to 13 tokens in all.
+    assert max(sizes[1]) == 13
+    assert 1 < max(sizes[2]) <= 6
+    assert 1 < max(sizes[4]) <= 3
+
+
 def test_adaptive_tree_needs_a_cost_curve() -> None:
     generator = SpeculativeGenerator(_model("llama"), _heads("llama", "eagle", perturbed=False))
     tree = DynamicTree(adaptive=True)

@@ -10,7 +10,8 @@ drafting already done plus one verification forward over |S| + 1 tokens, read of
 ``keep`` picks the number of best-scored nodes that maximises expected tokens per second (zero
 nodes is plain decoding); ``grow_deeper`` drafts another depth only if what it could add (at most
 the frontier's probability mass) is worth its time at the rate already reachable. EAGLE-2 takes a
-fixed size from a short list tuned by timing; this chooses per step, from this machine's curve.
+fixed size from a short list tuned by timing; this chooses per step, from this machine's curve,
+and prices a tree by its share of the batch's forward when requests are verified together.
 """
 
 from __future__ import annotations
@@ -31,9 +32,23 @@ class TreeSizer:
     """Observed / curve verification time of this request's recent steps: the curve's shape is
     kept, its level follows the machine's current load (the curve may be cached from a calmer
     or busier moment)."""
+    batch_size: int = 1
+    """Requests whose trees share this step's verification forward (the server's batch)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
     def verify_seconds(self, size: int) -> float:
-        return self.cost_scale * self.curve.at(size)
+        """This request's share of a verification forward when its tree has ``size`` tokens.
+
+        Alone, the forward itself. In a batch of B the forward runs every request's tree (each
+        padded to the largest), so the step is priced as if all B trees had this size: 1/B of a
+        forward over B x size tokens. Where the curve is flat for small forwards and steep for
+        large ones, a tree that is nearly free alone costs real time in a batch; the sizer then
+        keeps fewer nodes, down to none (plain decoding) when the batch is large."""
+        batch = self.batch_size
+        return self.cost_scale * self.curve.at(batch * size) / batch
 
     def keep(self, scores: list[float], drafting_seconds: float) -> int:
         """How many of the nodes to verify. scores: cumulative draft log-probs, best first."""
