@@ -44,6 +44,13 @@ StepScope = Callable[[], contextlib.AbstractContextManager]
 """Makes a context entered around every step of one request (e.g. activating its adapter)."""
 
 
+def elapsed_seconds(started: float, device: torch.device) -> float:
+    """Seconds since ``started`` (``time.perf_counter``), once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 256
@@ -282,18 +289,24 @@ class SpeculativeGenerator:
     ) -> list[int]:
         """Verify a drafted tree in a target forward of its own, then ``conclude``."""
         tree, buffers = drafted.tree, drafted.buffers
-        verify_started = time.perf_counter()
+        started = time.perf_counter()
         with record_function("selfspec.verify_forward"):
             features = self.target.features(
                 tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
             )[0]  # [T, H]
-        committed = self.conclude(state, config, drafted, features)
-        if self.cost_curve is not None:  # the verdict's host sync ends the timed span on GPUs
-            measured = (time.perf_counter() - verify_started) / self.cost_curve.at(tree.size)
-            state.cost_scale = (
-                COST_SCALE_DECAY * state.cost_scale + (1 - COST_SCALE_DECAY) * measured
-            )
-        return committed
+        with record_function("selfspec.verify_lm_head"):
+            logits = self.target.logits(features)  # [T, vocab]
+        self.observe_verification(state, elapsed_seconds(started, logits.device), tree.size)
+        return self.conclude(state, config, drafted, features, logits)
+
+    def observe_verification(self, state: RequestState, seconds: float, tokens: int) -> None:
+        """Fold one timed verification (body + lm_head over ``tokens`` tree tokens, what the cost
+        curve times) into the request's cost scale, so tree sizing follows the current load.
+        In a batched forward, ``tokens`` counts every row's (padded) tree."""
+        if self.cost_curve is None:
+            return
+        measured = seconds / self.cost_curve.at(tokens)
+        state.cost_scale = COST_SCALE_DECAY * state.cost_scale + (1 - COST_SCALE_DECAY) * measured
 
     def conclude(
         self,
@@ -301,12 +314,14 @@ class SpeculativeGenerator:
         config: GenerationConfig,
         drafted: DraftedStep,
         features: torch.Tensor,  # [T, H]: the tree's target features, its KV entries cached
+        logits: torch.Tensor | None = None,  # [T, vocab]: the lm_head's, if already computed
     ) -> list[int]:
         """Verify a drafted tree from its features, commit the accepted path to the KV cache and
         the draft state. Returns the newly committed tokens (accepted drafts, then the bonus)."""
         tree = drafted.tree
-        with record_function("selfspec.verify_lm_head"):
-            logits = self.target.logits(features)  # [T, vocab]
+        if logits is None:
+            with record_function("selfspec.verify_lm_head"):
+                logits = self.target.logits(features)  # [T, vocab]
         with record_function("selfspec.verify"):
             if config.sampling.greedy:
                 verdict = verify_greedy(tree, drafted.buffers.ancestors, logits)
@@ -428,12 +443,15 @@ class GenerationStream:
         with torch.inference_mode(), self._scope():
             return self._owner.draft(state, self._config, batch_size)
 
-    def conclude(self, drafted: DraftedStep, features: torch.Tensor) -> StepOutput:
+    def conclude(
+        self, drafted: DraftedStep, features: torch.Tensor, logits: torch.Tensor | None = None
+    ) -> StepOutput:
         """Finish the step of ``draft()``: features # [T, H] of its tree, whose KV entries the
-        caller's forward appended to this request's cache."""
+        caller's forward appended to this request's cache (and their logits # [T, vocab], if
+        the caller computed them)."""
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
-            committed = self._owner.conclude(state, self._config, drafted, features)
+            committed = self._owner.conclude(state, self._config, drafted, features, logits)
         return self._after_step(state, committed)
 
     def _decoding_state(self) -> RequestState:

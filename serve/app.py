@@ -96,7 +96,7 @@ class ServerState:
             if own is None:
                 try:
                     heads = load_heads(heads_path, self.store.base_model)
-                except ValueError as error:  # malformed, or made for another base
+                except (ValueError, OSError) as error:  # malformed, unreadable, another base
                     raise bad_request(
                         f"adapter {adapter!r} carries heads that cannot be used: {error}", "model"
                     ) from error
@@ -203,7 +203,9 @@ async def _serve(
         raise bad_request(
             "this server has no draft heads: speculation is unavailable", "speculation"
         )
-    generator = state.generator_for(adapter) if speculate else state.generator
+    # Off the event loop: an adapter's own heads are read from disk on its first request.
+    generator = await run_in_threadpool(state.generator_for, adapter) if speculate else None
+    generator = generator or state.generator
     sampling = SamplingParams(
         temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p
     )

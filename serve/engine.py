@@ -37,7 +37,13 @@ import torch
 from selfspec.adapters.errors import StoreFull
 from selfspec.adapters.store import AdapterStore, LoraBackend
 from selfspec.batched_verify import verify_features
-from selfspec.generation import GenerationResult, GenerationStream, StepOutput
+from selfspec.generation import (
+    GenerationResult,
+    GenerationStream,
+    RequestState,
+    StepOutput,
+    elapsed_seconds,
+)
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.metrics import ServerMetrics
 
@@ -284,7 +290,10 @@ class Engine:
             else:
                 decoding.append(job)
         if not self.batch_verify:
-            left += [job for job in decoding if not self._guarded(job, job.stream.step)]
+            for job in decoding:
+                self.metrics.batch_size.observe(1)
+                if not self._guarded(job, job.stream.step):
+                    left.append(job)
             return left
         for batch in self._batches(decoding):
             left += self._step_together(batch)
@@ -305,11 +314,16 @@ class Engine:
         names, never both)."""
         batches: dict[tuple[int, bool], list[Job]] = {}
         for job in jobs:
-            on_peft = (
-                self.store is not None
-                and job.adapter is not None
-                and self.store.backend_of(job.adapter) is LoraBackend.PEFT
-            )
+            try:
+                on_peft = (
+                    self.store is not None
+                    and job.adapter is not None
+                    and self.store.backend_of(job.adapter) is LoraBackend.PEFT
+                )
+            except Exception:  # the store cannot say: this job runs in a batch of its own
+                logger.exception("no LoRA backend for adapter %r; verifying alone", job.adapter)
+                batches[id(job), False] = [job]
+                continue
             batches.setdefault((id(job.stream.owner.target.model), on_peft), []).append(job)
         return list(batches.values())
 
@@ -331,23 +345,31 @@ class Engine:
             job, step = drafted[0]
             self.metrics.batch_size.observe(1)
             return left + ([] if self._guarded(job, partial(job.stream.verify, step)) else [job])
+        target = drafted[0][0].stream.owner.target
+        sizes = [step.tree.size for _, step in drafted]
         try:
             names = [job.adapter for job, _ in drafted]
             scope = self.store.batch_scope(names) if self.store is not None else nullcontext()
+            started = time.perf_counter()
             with torch.inference_mode(), scope:
                 features = verify_features(
-                    drafted[0][0].stream.owner.target,
-                    [(job.stream.state, step) for job, step in drafted],
+                    target, [(job.stream.state, step) for job, step in drafted]
                 )
+                logits = target.logits(torch.cat(features)).split(sizes)  # [T_b, vocab] each
+            seconds = elapsed_seconds(started, target.device)
         except Exception:
             logger.exception("batched verification of %d requests failed; one by one", len(drafted))
             for job, step in drafted:
+                _uncommitted_entries_dropped(job.stream.state)
+                self.metrics.batch_size.observe(1)
                 if not self._guarded(job, partial(job.stream.verify, step)):
                     left.append(job)
             return left
         self.metrics.batch_size.observe(len(drafted))
-        for (job, step), own in zip(drafted, features, strict=True):
-            if not self._guarded(job, partial(job.stream.conclude, step, own)):
+        padded_tokens = len(drafted) * max(sizes)  # what the forward ran, as the cost curve counts
+        for (job, step), own, own_logits in zip(drafted, features, logits, strict=True):
+            job.stream.owner.observe_verification(job.stream.state, seconds, padded_tokens)
+            if not self._guarded(job, partial(job.stream.conclude, step, own, own_logits)):
                 left.append(job)
         return left
 
@@ -391,3 +413,12 @@ class Engine:
             job.stream = None  # the request's KV cache and draft state go with them
             self.metrics.requests.labels(job.label, outcome).inc()
             job.handle.emit(event)
+
+
+def _uncommitted_entries_dropped(state: RequestState) -> None:
+    """A failed batched forward may have appended its tree's KV entries to some caches already;
+    drop them, so the request can verify its tree again in a forward of its own."""
+    for layer in state.cache.layers:  # layer by layer: the failure may have come midway
+        extra = layer.get_seq_length() - state.committed_len
+        if extra > 0:
+            layer.crop(-extra)  # negative: entries to remove from the end

@@ -36,10 +36,13 @@ class DistilledDataModule(L.LightningDataModule):
             train_data: directory written by ``selfspec distill``, or a list of them (e.g.
                 greedy and sampled responses to the same prompts), concatenated.
             val_data: a second distilled directory for validation (held-out prompts).
-            val_fraction: share of train rows held out when val_data is not given.
+            val_fraction: share of train rows held out when val_data is not given. The split is
+                by row: when several directories answer the same prompts, a prompt can land on
+                both sides and the held-out score reads high; give val_data (held-out prompts).
             batch_size: rows per batch (per process under DDP).
             max_length: rows are cut to this many tokens.
-            max_rows: use only the first rows of train_data (quick runs).
+            max_rows: use only the first rows of train_data, the directories concatenated in
+                order (quick runs).
             num_workers: DataLoader worker processes.
             seed: seed of the validation split.
         """

@@ -70,12 +70,64 @@ def test_concurrent_requests_on_different_adapters_equal_serial(
         rows = _metric(url, "selfspec_verify_batch_requests_sum") - rows
         if batch_verify:  # mixed adapters, speculating or not, greedy or sampled: one forward
             assert rows / forwards > 2, f"{rows} trees in {forwards} forwards: barely batched"
-        else:
-            assert forwards == rows == 0
+        else:  # one request per forward
+            assert forwards == rows > 0
         # Streamed concurrently too: same text.
         with ThreadPoolExecutor(len(bodies)) as pool:
             streamed = list(pool.map(lambda body: _stream_text(url, body), bodies))
         assert streamed == serial
+
+
+def test_a_failed_batched_forward_is_retried_one_by_one(server_for, monkeypatch) -> None:
+    """The shared forward fails after appending KV entries to the caches: every request verifies
+    its tree again alone, from a cache with those entries dropped, and its output is unchanged."""
+    import selfspec.serve.engine as engine_module
+
+    real = engine_module.verify_features
+    failures = []
+
+    def fails_after_the_forward(target, requests):
+        real(target, requests)  # the caches now hold the trees' entries
+        failures.append(len(requests))
+        raise RuntimeError("injected failure after the batched forward")
+
+    with server_for(max_running=8, max_queue=8) as (url, state, _):
+        bodies = [{**b, "max_tokens": 16, "ignore_eos": True} for b in REQUESTS]
+        serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
+        monkeypatch.setattr(engine_module, "verify_features", fails_after_the_forward)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: _post(url, body), bodies))
+        monkeypatch.undo()
+        assert failures, "no batched forward ran"
+        assert [r.status_code for r in replies] == [200] * len(bodies)
+        assert [r.json()["choices"][0]["text"] for r in replies] == serial
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_every_verification_is_timed_for_tree_sizing(server_for, monkeypatch) -> None:
+    """Batched or alone, each verified tree reports its forward's time and padded token count
+    to its generator, which keeps the request's cost scale (adaptive tree sizing under load)."""
+    from selfspec.generation import SpeculativeGenerator
+
+    seen: list[tuple[float, int]] = []
+    real = SpeculativeGenerator.observe_verification
+
+    def record(self, state, seconds: float, tokens: int) -> None:
+        seen.append((seconds, tokens))
+        real(self, state, seconds, tokens)
+
+    monkeypatch.setattr(SpeculativeGenerator, "observe_verification", record)
+    with server_for(max_running=8, max_queue=8) as (url, _, _):
+        before = _metric(url, "selfspec_verify_batch_requests_sum")
+        bodies = [{**b, "max_tokens": 16, "ignore_eos": True} for b in REQUESTS]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda body: _post(url, body), bodies))
+        assert [r.status_code for r in replies] == [200] * len(bodies)
+        verified = _metric(url, "selfspec_verify_batch_requests_sum") - before
+    assert len(seen) == verified > len(bodies)
+    assert all(seconds > 0 for seconds, _ in seen)
+    # Batched forwards count every row's padded tree: more tokens than any request drafts alone.
+    assert max(tokens for _, tokens in seen) > 2 * len(bodies)
 
 
 def _stream_text(url: str, body: dict[str, object]) -> str:
