@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from selfspec.adapters.robustness import RobustnessReport
+from selfspec.atomic import write_file_atomic
 
 
 def plot_report(report: RobustnessReport, path: Path) -> Path:
@@ -34,15 +33,7 @@ def plot_report(report: RobustnessReport, path: Path) -> Path:
     settings = report.settings
     figure.suptitle(f"{settings.get('target', '')}, heads: {settings.get('heads', '')}")
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
     try:
-        figure.savefig(temporary, dpi=120)
-        os.chmod(temporary, 0o644)  # mkstemp made it private; a report is for everyone
-        os.replace(temporary, path)
+        return write_file_atomic(path, lambda temporary: figure.savefig(temporary, dpi=120))
     finally:
         plt.close(figure)
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,17 +45,26 @@ def replace_dir(staging: Path, path: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a part."""
+def write_file_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+    """Have ``write`` fill a temporary file beside ``path``, then rename it over ``path``:
+    readers see the old file or the new one, never a part. The temporary file keeps ``path``'s
+    suffix (writers such as matplotlib choose the format by it) and gets rw-r--r--."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, temporary = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent
+    )
+    os.close(handle)
     try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.chmod(temporary, 0o644)
+        write(Path(temporary))
+        os.chmod(temporary, 0o644)  # mkstemp made it private; what a user keeps is not
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` so that readers see the old file or the new one."""
+    return write_file_atomic(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))

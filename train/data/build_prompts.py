@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import random
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from selfspec.atomic import write_text_atomic
 
 HERE = Path(__file__).parent
 TRAIN_FILE = HERE / "prompts.jsonl"
@@ -510,11 +510,8 @@ def build(seed: int = 0, passages: int = 330) -> tuple[list[str], list[str]]:
 
 def write_jsonl(path: Path, prompts: list[str]) -> None:
     """Atomic write: a temporary file beside ``path``, then a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        for prompt in prompts:
-            fh.write(json.dumps({"prompt": prompt}, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    lines = (json.dumps({"prompt": prompt}, ensure_ascii=False) + "\n" for prompt in prompts)
+    write_text_atomic(path, "".join(lines))
 
 
 def write_collection(seed: int = 0, out_dir: Path = HERE) -> None:
