@@ -1,4 +1,4 @@
-"""Keep only the accepted path's entries of a verified tree in the target's KV cache."""
+"""The target's KV cache after verification: keep the accepted path's entries, or drop a tree's."""
 
 from __future__ import annotations
 
@@ -29,3 +29,12 @@ def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Ten
             layer.keys[..., keep, :] = layer.keys.index_select(-2, source)
             layer.values[..., keep, :] = layer.values.index_select(-2, source)
         layer.crop(num_accepted - tree_len)  # negative: tokens to remove from the end
+
+
+def drop_uncommitted(cache: DynamicCache, committed_len: int) -> None:
+    """Remove every entry past the first ``committed_len``, layer by layer (a forward that failed
+    midway may have extended only some layers), so the step can be verified again."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - committed_len
+        if extra > 0:
+            layer.crop(-extra)  # negative: entries to remove from the end

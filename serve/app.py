@@ -204,8 +204,9 @@ async def _serve(
             "this server has no draft heads: speculation is unavailable", "speculation"
         )
     # Off the event loop: an adapter's own heads are read from disk on its first request.
-    generator = await run_in_threadpool(state.generator_for, adapter) if speculate else None
-    generator = generator or state.generator
+    generator = (
+        await run_in_threadpool(state.generator_for, adapter) if speculate else state.generator
+    )
     sampling = SamplingParams(
         temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p
     )

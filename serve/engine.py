@@ -37,13 +37,8 @@ import torch
 from selfspec.adapters.errors import StoreFull
 from selfspec.adapters.store import AdapterStore, LoraBackend
 from selfspec.batched_verify import verify_features
-from selfspec.generation import (
-    GenerationResult,
-    GenerationStream,
-    RequestState,
-    StepOutput,
-    elapsed_seconds,
-)
+from selfspec.generation import GenerationResult, GenerationStream, StepOutput, elapsed_seconds
+from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.metrics import ServerMetrics
 
@@ -360,7 +355,8 @@ class Engine:
         except Exception:
             logger.exception("batched verification of %d requests failed; one by one", len(drafted))
             for job, step in drafted:
-                _uncommitted_entries_dropped(job.stream.state)
+                state = job.stream.state
+                drop_uncommitted(state.cache, state.committed_len)  # what the forward appended
                 self.metrics.batch_size.observe(1)
                 if not self._guarded(job, partial(job.stream.verify, step)):
                     left.append(job)
@@ -413,12 +409,3 @@ class Engine:
             job.stream = None  # the request's KV cache and draft state go with them
             self.metrics.requests.labels(job.label, outcome).inc()
             job.handle.emit(event)
-
-
-def _uncommitted_entries_dropped(state: RequestState) -> None:
-    """A failed batched forward may have appended its tree's KV entries to some caches already;
-    drop them, so the request can verify its tree again in a forward of its own."""
-    for layer in state.cache.layers:  # layer by layer: the failure may have come midway
-        extra = layer.get_seq_length() - state.committed_len
-        if extra > 0:
-            layer.crop(-extra)  # negative: entries to remove from the end
