@@ -175,7 +175,6 @@ def main() -> int:
                 method.outputs.append(tokens)
                 bar.update()
     report = summarise(methods, curves, args, prompts)
-    args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "speed.json", json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     write_text_atomic(args.out / "speed.md", table)
