@@ -37,6 +37,7 @@ from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, cache
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, TreeSpec, parse_tree_spec
 
+PACKING = {"auto": None, "on": True, "off": False}
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 
 
@@ -89,27 +90,41 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
     methods: list[Method] = []
     curves: dict[str, CostCurve] = {}
     trees = {name: parse_tree_spec(text) for name, text in (t.split("=", 1) for t in args.trees)}
+    packing = PACKING[args.packed_weights]
+    n = args.max_new_tokens
     for dtype in args.dtypes:
-        target = load_target(TargetSpec(dtype=dtype, threads=args.threads))
+        # HF's baselines run the model as HF ships it: never with selfspec's packed weights.
+        plain = load_target(TargetSpec(dtype=dtype, threads=args.threads, packed_weights=False))
+        spec = TargetSpec(dtype=dtype, threads=args.threads, packed_weights=packing)
+        target = load_target(spec) if spec.wants_packing() else plain
         curve = cached_cost_curve(TargetForward(target.model), cache_root())
         curves[dtype] = curve
-        n = args.max_new_tokens
-        methods.append(Method("HF generate", dtype, hf_generate(target, n), "hf"))
+        methods.append(Method("HF generate", dtype, hf_generate(plain, n), "hf"))
         methods.append(
             Method(
                 f"HF prompt lookup ({args.lookup})",
                 dtype,
-                hf_generate(target, n, args.lookup),
+                hf_generate(plain, n, args.lookup),
                 "lookup",
             )
         )
+        if target is not plain:  # what packing alone gives, against the packed vanilla below
+            unpacked = SpeculativeGenerator(plain.model, None, plain.tokenizer)
+            methods.append(
+                Method(
+                    "selfspec vanilla, unpacked weights",
+                    dtype,
+                    selfspec_generate(unpacked, n, False, None),
+                    "vanilla-unpacked",
+                )
+            )
         vanilla = SpeculativeGenerator(target.model, None, target.tokenizer)
         methods.append(
             Method("selfspec vanilla", dtype, selfspec_generate(vanilla, n, False, None), "vanilla")
         )
-        for spec in args.heads:
-            heads = load_heads(resolve_heads_dir(spec, True), target.model)
-            label = Path(spec).name if Path(spec).is_dir() else spec
+        for spec_name in args.heads:
+            heads = load_heads(resolve_heads_dir(spec_name, True), target.model)
+            label = Path(spec_name).name if Path(spec_name).is_dir() else spec_name
             generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
             deepest = heads.config.num_heads if heads.config.kind.value == "medusa" else None
             for tree_name, tree in trees.items():
@@ -151,6 +166,13 @@ def main() -> int:
             "static=static",
         ],
         help="NAME=TREE_SPEC pairs (see `selfspec generate --tree`)",
+    )
+    parser.add_argument(
+        "--packed-weights",
+        choices=sorted(PACKING),
+        default="auto",
+        help="selfspec's targets: oneDNN-packed linear weights (auto: in bfloat16); HF's "
+        "baselines always run unpacked. When packed, an unpacked selfspec vanilla row is added",
     )
     parser.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--out", type=Path, default=Path("runs/speed"))

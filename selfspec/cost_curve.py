@@ -24,6 +24,7 @@ import torch
 
 from selfspec.atomic import write_text_atomic
 from selfspec.fingerprint import fingerprint_of
+from selfspec.packed_linear import is_packed
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, TreeSpec
 
@@ -138,6 +139,7 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
     parts = [
         fingerprint_of(target.model).describe(),
         str(target.dtype),
+        f"packed={is_packed(target.model)}",
         str(target.device),
         str(torch.get_num_threads()),
         torch.__version__,

@@ -29,6 +29,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from selfspec.packed_linear import pack_linears, packing_available
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -61,6 +63,11 @@ class TargetSpec:
     """CPU threads for torch (`torch.set_num_threads`); None leaves torch's own setting."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: "sdpa" or "eager"; both take 4D tree masks."""
+    packed_weights: bool | None = None
+    """Pack the linear weights once for oneDNN (`selfspec.packed_linear`). None: packed in
+    bfloat16 where oneDNN runs it (faster, results identical to unpacked), never in float32
+    (kept bit-identical to HF's own float32 path); True: packed in either dtype, or a
+    `TargetLoadError` where this build or CPU can't; False: never."""
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
@@ -77,6 +84,11 @@ class TargetSpec:
             raise ValueError(
                 f"TargetSpec.threads must be None or an int >= 1, got {self.threads!r}"
             )
+        if not (self.packed_weights is None or isinstance(self.packed_weights, bool)):
+            raise ValueError(
+                "TargetSpec.packed_weights must be None, True or False, "
+                f"got {self.packed_weights!r}"
+            )
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"TargetSpec.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
@@ -87,6 +99,17 @@ class TargetSpec:
     def torch_dtype(self) -> torch.dtype:
         """`dtype` as a torch dtype."""
         return DTYPES[self.dtype]
+
+    def wants_packing(self) -> bool:
+        """Whether `load_target` packs the linear weights; raises if asked for but impossible."""
+        if self.packed_weights is None:
+            return self.torch_dtype == torch.bfloat16 and packing_available(self.torch_dtype)
+        if self.packed_weights and not packing_available(self.torch_dtype):
+            raise TargetLoadError(
+                f"packed weights were asked for, but this torch build or CPU has no oneDNN "
+                f"packed linear for {self.dtype}; load with packed_weights=None or False"
+            )
+        return self.packed_weights
 
 
 @dataclass(frozen=True)
@@ -126,7 +149,10 @@ def load_target(spec: TargetSpec) -> LoadedTarget:
         model_dir = converted_gguf_dir(source)
     else:
         raise TargetLoadError(f"target {source} is neither a model directory nor a .gguf file")
+    packed = spec.wants_packing()
     model, tokenizer = _load_hf_dir(model_dir, spec)
+    if packed:
+        pack_linears(model)
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, source=str(source))
 
 

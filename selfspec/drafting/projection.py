@@ -10,22 +10,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from selfspec.packed_linear import is_packed, pack_linears
+
 
 class DraftProjection:
     """Owned by a drafter; holds its own copy of the draft rows of the lm_head (the target's
-    module is never modified). Build it after the target has its final dtype and device."""
+    module is never modified), packed like the lm_head (`selfspec.packed_linear`). Build it after
+    the target has its final dtype and device."""
 
     def __init__(self, lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> None:
         self.lm_head = lm_head
         self.vocab_size = int(lm_head.weight.shape[0])
         self.draft_vocab = draft_vocab  # [N] ascending token ids, or None
-        if draft_vocab is None:
-            self.weight = self.bias = None
-        else:
+        self.rows: nn.Linear | None = None  # the lm_head's draft rows: H -> N
+        if draft_vocab is not None:
+            weight = lm_head.weight
+            bias = getattr(lm_head, "bias", None)
+            self.rows = nn.Linear(
+                weight.shape[1],
+                len(draft_vocab),
+                bias=bias is not None,
+                device=weight.device,
+                dtype=weight.dtype,
+            ).requires_grad_(False)
             with torch.no_grad():
-                self.weight = lm_head.weight[draft_vocab].detach().clone()  # [N, H]
-                bias = getattr(lm_head, "bias", None)
-                self.bias = None if bias is None else bias[draft_vocab].detach().clone()  # [N]
+                self.rows.weight.copy_(weight[draft_vocab])  # [N, H]
+                if bias is not None:
+                    self.rows.bias.copy_(bias[draft_vocab])  # [N]
+            if is_packed(lm_head):
+                pack_linears(self.rows)
 
     @property
     def size(self) -> int:
@@ -33,9 +46,9 @@ class DraftProjection:
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """# [..., H] -> [..., N] draft logits over the draft vocabulary."""
-        if self.weight is None:
+        if self.rows is None:
             return self.lm_head(features)
-        return nn.functional.linear(features, self.weight.to(features.dtype), self.bias)
+        return self.rows(features)
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> token ids; negative indices (no draw) stay -1."""

@@ -24,6 +24,7 @@ from selfspec.fingerprint import BaseFingerprint, check_compatible, fingerprint_
 from selfspec.heads.config import HeadsConfig
 from selfspec.heads.draft_vocab import BUFFER, check_draft_vocab
 from selfspec.heads.factory import DraftHeads, build_heads
+from selfspec.packed_linear import is_packed, pack_linears
 
 FORMAT = "selfspec-heads"
 VERSION = 1
@@ -107,7 +108,8 @@ def load_heads(
 ) -> DraftHeads:
     """Load heads; with ``target`` given, refuse a base other than the one they were trained on.
 
-    The heads are returned in eval mode, frozen, on the target's device and dtype (or ``dtype``).
+    The heads are returned in eval mode, frozen, on the target's device and dtype (or ``dtype``),
+    with packed linear weights if the target has them (`selfspec.packed_linear`).
     """
     path = Path(path)
     heads_config, base, _ = read_heads_config(path)
@@ -145,6 +147,8 @@ def load_heads(
     if target is not None:
         embed = target.get_input_embeddings().weight
         heads.to(device=embed.device, dtype=dtype or embed.dtype)
+        if dtype in (None, embed.dtype) and is_packed(target):  # heads run like their target
+            pack_linears(heads)
     elif dtype is not None:
         heads.to(dtype=dtype)
     heads.eval().requires_grad_(False)
