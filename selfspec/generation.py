@@ -126,6 +126,9 @@ class RequestState:
     """Running sums (one pseudo-count each) calibrating the draft's confidence for tree sizing."""
     cost_scale: float = 1.0
     """Moving average of measured / curve verification seconds, for tree sizing."""
+    overhead_seconds: float = 0.0
+    """Moving average of a step's work after its forward (verdict, KV commit, head advance),
+    for tree sizing."""
 
     @property
     def calibration(self) -> float:
@@ -238,14 +241,16 @@ class SpeculativeGenerator:
             generator.manual_seed(config.seed)
         cache = self.target.new_cache()
         positions = torch.arange(prompt.shape[0], device=device)[None]
-        features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
-        logits = self.target.logits(features[-1])  # [vocab]
+        with record_function("selfspec.prefill"):
+            features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
+            logits = self.target.logits(features[-1])  # [vocab]
         first = _choose(logits, config.sampling, generator)
         state = RequestState(
             cache=cache, generator=generator, committed_len=prompt.shape[0], root_token=first
         )
         if config.speculate:
-            state.draft_state = self.drafter.start(features, prompt, first)
+            with record_function("selfspec.draft_prefill"):
+                state.draft_state = self.drafter.start(features, prompt, first)
         return state
 
     def draft(
@@ -256,7 +261,13 @@ class SpeculativeGenerator:
         prices this tree by its share of that forward)."""
         if config.speculate:
             sizer = (
-                TreeSizer(self.cost_curve, state.calibration, state.cost_scale, batch_size)
+                TreeSizer(
+                    self.cost_curve,
+                    state.calibration,
+                    state.cost_scale,
+                    batch_size,
+                    state.overhead_seconds,
+                )
                 if self.cost_curve is not None
                 else None
             )
@@ -322,6 +333,7 @@ class SpeculativeGenerator:
         if logits is None:
             with record_function("selfspec.verify_lm_head"):
                 logits = self.target.logits(features)  # [T, vocab]
+        started = time.perf_counter()
         with record_function("selfspec.verify"):
             if config.sampling.greedy:
                 verdict = verify_greedy(tree, drafted.buffers.ancestors, logits)
@@ -337,6 +349,10 @@ class SpeculativeGenerator:
                     state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
                 )
         state.root_token = verdict.bonus
+        seconds = elapsed_seconds(started, logits.device)
+        state.overhead_seconds = (
+            COST_SCALE_DECAY * state.overhead_seconds + (1 - COST_SCALE_DECAY) * seconds
+        )
         if tree.scores is not None and tree.size > 1:
             state.drafts_predicted += float(tree.scores[1:].exp().sum())
             state.drafts_accepted += verdict.num_drafted_accepted

@@ -86,6 +86,21 @@ def test_sizer_keeps_nodes_while_they_pay_for_their_verification() -> None:
     assert sizer.keep([], 0.0) == 0
 
 
+def test_sizer_prices_the_steps_fixed_work_into_every_tree() -> None:
+    curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
+    scores = _log([0.9, 0.8, 0.5, 0.2, 0.05, 0.01])
+    # 50 ms of verdict / commit / head advance per step: as with 50 ms of drafting, the rate is
+    # ~51/s whatever the tree, so p=0.2 (0.2 tokens for 1 ms) now pays.
+    assert TreeSizer(curve, overhead_seconds=0.050).keep(scores, drafting_seconds=0.0) == 4
+    spec = DynamicTree(top_k=2, depth=6, budget=20)
+    hopeful = _log([0.3, 0.3])
+    assert not TreeSizer(curve).grow_deeper(hopeful, hopeful, 0.004, depth=1, spec=spec)
+    sizer = TreeSizer(curve, overhead_seconds=0.050)
+    assert sizer.grow_deeper(hopeful, hopeful, 0.004, depth=1, spec=spec)
+    with pytest.raises(ValueError, match="overhead_seconds"):
+        TreeSizer(curve, overhead_seconds=-1.0)
+
+
 def test_sizer_stops_drafting_when_another_depth_cannot_pay() -> None:
     curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
     spec = DynamicTree(top_k=2, depth=6, budget=20)

@@ -475,6 +475,18 @@ def test_adaptive_trees_are_sized_for_the_batch_that_shares_their_forward(arch: 
     assert 1 < max(sizes[4]) <= 3
 
 
+def test_a_steps_work_after_its_forward_is_measured_for_tree_sizing() -> None:
+    heads = _heads("llama", "eagle", perturbed=True)
+    generator = SpeculativeGenerator(_model("llama"), heads, cost_curve=FLAT)
+    stream = generator.stream(
+        PROMPT, _greedy(DynamicTree(top_k=3, depth=4, budget=12, adaptive=True))
+    )
+    stream.start()
+    assert stream.state.overhead_seconds == 0.0
+    stream.step()
+    assert stream.state.overhead_seconds > 0.0  # verdict, commit and head advance take time
+
+
 def test_adaptive_tree_needs_a_cost_curve() -> None:
     generator = SpeculativeGenerator(_model("llama"), _heads("llama", "eagle", perturbed=False))
     tree = DynamicTree(adaptive=True)

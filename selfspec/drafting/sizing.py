@@ -5,7 +5,9 @@ tokens (the bonus token plus every accepted draft: acceptance of a node is an ev
 accepted length counts the accepted nodes). The draft's cumulative probability of a node
 estimates P(v accepted); the estimate is scaled by a per-request calibration (accepted drafts /
 predicted drafts so far), since heads can be over- or under-confident. The step costs the
-drafting already done plus one verification forward over |S| + 1 tokens, read off the cost curve.
+drafting already done, one verification forward over |S| + 1 tokens, read off the cost curve,
+and the step's fixed work after it (verdict, KV commit, head advance), measured per request:
+left out, that fixed cost would make every tree look dearer per token than it is.
 
 ``keep`` picks the number of best-scored nodes that maximises expected tokens per second (zero
 nodes is plain decoding); ``grow_deeper`` drafts another depth only if what it could add (at most
@@ -34,10 +36,14 @@ class TreeSizer:
     or busier moment)."""
     batch_size: int = 1
     """Requests whose trees share this step's verification forward (the server's batch)."""
+    overhead_seconds: float = 0.0
+    """A step's work besides drafting and the verification forward, whatever the tree's size."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.overhead_seconds >= 0.0:
+            raise ValueError(f"overhead_seconds must be >= 0, got {self.overhead_seconds}")
 
     def verify_seconds(self, size: int) -> float:
         """This request's share of a verification forward when its tree has ``size`` tokens.
@@ -73,9 +79,13 @@ class TreeSizer:
             return False
         per_depth = drafting_seconds / depth
         deeper = (gain + added) / (
-            drafting_seconds + per_depth + self.verify_seconds(size + new_nodes + 1)
+            drafting_seconds + per_depth + self._step_seconds(size + new_nodes + 1)
         )
         return deeper > rate
+
+    def _step_seconds(self, tokens: int) -> float:
+        """The step's time after drafting, with a tree of ``tokens`` tokens root included."""
+        return self.verify_seconds(tokens) + self.overhead_seconds
 
     def _accept(self, score: float) -> float:
         return min(1.0, self.calibration * math.exp(score))
@@ -83,10 +93,10 @@ class TreeSizer:
     def _best(self, scores: list[float], drafting_seconds: float) -> tuple[int, float]:
         """(size, expected tokens per second) of the best prefix of ``scores``."""
         best_size, gain = 0, 1.0
-        best_rate = gain / (drafting_seconds + self.verify_seconds(1))
+        best_rate = gain / (drafting_seconds + self._step_seconds(1))
         for size, score in enumerate(scores, start=1):
             gain += self._accept(score)
-            rate = gain / (drafting_seconds + self.verify_seconds(size + 1))
+            rate = gain / (drafting_seconds + self._step_seconds(size + 1))
             if rate > best_rate:
                 best_size, best_rate = size, rate
         return best_size, best_rate
