@@ -23,7 +23,7 @@ from selfspec.drafting import Drafter, DraftPlan, make_drafter
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
-from selfspec.sampling import SamplingParams, sample_from, warp_probs
+from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
 from selfspec.tree import (
@@ -541,7 +541,7 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """logits: # [vocab]"""
     if params.greedy:
-        return int(logits.argmax())
+        return int(greedy_tokens(logits))
     return int(sample_from(warp_probs(logits, params), generator))
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.sampling import SamplingParams, sample_from, warp_probs
+from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.tree import DraftSampling, Tree
 
 
@@ -42,7 +42,7 @@ def verify_greedy(tree: Tree, ancestors: torch.Tensor, target_logits: torch.Tens
 
     ancestors: # [T, T] bool; target_logits: # [T, vocab]
     """
-    target_argmax = target_logits.argmax(-1)  # [T]
+    target_argmax = greedy_tokens(target_logits)  # [T]
     matches = tree.tokens == target_argmax[tree.parents.clamp(min=0)]  # [T]
     matches[0] = True
     path_ok = ~(ancestors & ~matches.unsqueeze(0)).any(-1)  # [T]

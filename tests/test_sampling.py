@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from selfspec.sampling import SamplingParams, sample_from, warp_probs
+from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 
 
 def _logits(rows: int = 8, vocab: int = 37, seed: int = 0) -> torch.Tensor:
@@ -170,3 +170,14 @@ def test_sample_from_matches_probs_and_repeats_with_seed() -> None:
     bound = 0.5 * sum(math.sqrt(p * (1 - p) / samples) for p in probs.tolist())
     tv = 0.5 * (counts / samples - probs.double()).abs().sum()
     assert tv < 3 * bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax_ties_included(dtype: torch.dtype) -> None:
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    top = logits.max()
+    logits[:, 17] = top
+    logits[:, 3] = top  # a tie: the first maximum wins, as argmax
+    logits[5] = 0.0  # an all-equal row
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits).tolist() == [3, 3, 3, 3, 3, 0]
