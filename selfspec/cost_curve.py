@@ -30,7 +30,7 @@ from selfspec.tree import DynamicTree, TreeSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FORMAT = "selfspec-cost-curve"
 
 
@@ -86,25 +86,26 @@ def measure_cost_curve(
     target: TargetForward,
     sizes: Sequence[int] = DEFAULT_SIZES,
     context: int = 128,
-    repeats: int = 5,
+    repeats: int = 7,
 ) -> CostCurve:
-    """Time verification forwards (a chain-shaped tree mask over ``context`` cached tokens)."""
+    """Time verification forwards (a chain-shaped tree mask over ``context`` cached tokens).
+
+    The sizes are timed in rounds, one forward of each size per round, and each size keeps its
+    median: a machine whose speed drifts while the curve is measured (a shared VM) then shifts
+    every size alike instead of tilting the curve. The first round warms up and is dropped."""
     device, dtype = target.device, target.dtype
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     prompt = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    seconds = []
+    times: dict[int, list[float]] = {size: [] for size in sizes}
     with torch.inference_mode():
         cache = target.new_cache()
         target.features(prompt, torch.arange(context, device=device)[None], cache)
-        for size in sizes:
-            tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
-            positions = torch.arange(context, context + size, device=device)[None]
-            mask = torch.zeros(1, 1, size, context + size, dtype=dtype, device=device)
-            blocked = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
-            mask[0, 0, :, context:].masked_fill_(blocked, torch.finfo(dtype).min)
-            times = []
-            for run in range(repeats + 1):
+        forwards = [
+            _chain_forward(size, context, vocab, generator, device, dtype) for size in sizes
+        ]
+        for run in range(repeats + 1):
+            for size, (tokens, positions, mask) in zip(sizes, forwards, strict=True):
                 started = time.perf_counter()
                 features = target.features(tokens, positions, cache, mask)
                 target.logits(features)
@@ -112,10 +113,27 @@ def measure_cost_curve(
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - started
                 cache.crop(-size)  # negative: drop the tree's entries again
-                if run:  # the first run warms up
-                    times.append(elapsed)
-            seconds.append(statistics.median(times))
-    return CostCurve(sizes=tuple(sizes), seconds=tuple(seconds))
+                if run:  # the first round warms up
+                    times[size].append(elapsed)
+    return CostCurve(sizes=tuple(sizes), seconds=tuple(statistics.median(times[s]) for s in sizes))
+
+
+def _chain_forward(
+    size: int,
+    context: int,
+    vocab: int,
+    generator: torch.Generator,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens # [1, size], positions # [1, size] and a causal 4D mask # [1, 1, size, context +
+    size] for a chain-shaped tree of ``size`` tokens after ``context`` cached ones."""
+    tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
+    positions = torch.arange(context, context + size, device=device)[None]
+    mask = torch.zeros(1, 1, size, context + size, dtype=dtype, device=device)
+    blocked = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+    mask[0, 0, :, context:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return tokens, positions, mask
 
 
 def cached_cost_curve(
