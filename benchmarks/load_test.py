@@ -65,6 +65,8 @@ class LoadConfig:
     """The first held-out prompts used: fewer distinct requests keep the serial check short."""
     threads: int = 1
     """torch CPU threads."""
+    dtype: str = "float32"
+    """The served target's dtype: "float32" or "bfloat16" (packed weights)."""
     seed: int = 0
     """Seeds the clients' choice of model and prompt."""
 
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-prompts", type=int, default=4, help="first held-out prompts used")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--out", type=Path, default=Path("runs/load_test"))
@@ -296,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens,
             num_prompts=args.num_prompts,
             threads=args.threads,
+            dtype=args.dtype,
             seed=args.seed,
         )
         prompts = load_prompts(args.prompts, config.num_prompts)
@@ -304,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     # Default heads, shipped example adapters, default tree; queue room for every client.
-    base = build_state(ServeArgs(threads=config.threads, max_queue=config.clients))
+    base = build_state(
+        ServeArgs(threads=config.threads, max_queue=config.clients, dtype=config.dtype)
+    )
     models = [base.model_name, *sorted(base.served)]
     print(f"serving {base.model_name} with adapters {', '.join(models[1:])}; ", end="")
     print(f"{config.clients} clients, {config.duration:g} s per cell", flush=True)

@@ -4,7 +4,9 @@ Every method runs on every prompt, prompt-major (prompt 1 through all methods, t
 so background noise on a shared machine spreads over all of them alike. Reported per method:
 tokens/s (new tokens over the whole generate call, prefill included, for every method alike), τ,
 speedup over the faster vanilla HF baseline (fp32 or bf16) and over HF prompt-lookup decoding
-(the faster dtype), and how many outputs equal vanilla greedy in the same dtype.
+(the faster dtype), and how many outputs equal vanilla greedy in the same dtype. HF's rows run
+the model as HF ships it; selfspec's run packed linear weights where `TargetSpec` packs them
+(bf16 by default, `--packed-weights`), with one unpacked vanilla row to show what packing gives.
 
     .venv/bin/python benchmarks/speed.py --num-prompts 8 --max-new-tokens 96 --out runs/speed
 

@@ -5,14 +5,16 @@ layout, on every call: the whole weight is read, rewritten and read again. Decod
 model is exactly that cost (each forward streams every weight once for a handful of rows), so
 packing once at load, with the op torch.compile's freezing pass uses
 (``torch.ops.mkldnn._reorder_linear_weight``), and calling the packed kernel
-(``torch.ops.mkldnn._linear_pointwise``) saves most of a forward. Measured on this project's CPU
-(AVX-512 bf16, 1 thread, SmolLM2-135M, body + lm_head over a 128-token cache): a 1-token forward
-61 -> 43 ms, an 8-token one 92 -> 58 ms (``benchmarks/speed.py`` has the side-by-side rows).
+(``torch.ops.mkldnn._linear_pointwise``) saves about a third of a bf16 forward. Measured on this
+project's CPU (AVX-512 bf16, 1 thread, SmolLM2-135M, body + lm_head over a 128-token cache): a
+1-token forward 61 -> 43 ms, an 8-token one 92 -> 58 ms; selfspec's vanilla loop 1.43x faster
+(``benchmarks/speed.py`` runs both side by side).
 
 In bf16 the packed kernel's results equal ``F.linear``'s bit for bit, and a row's result does
-not depend on how many rows share the call, so a tree verification computes each token exactly as
-a one-token forward would (tested). In float32 neither holds (oneDNN and MKL round differently
-from each other and by row count) and the gain is small, so float32 is only packed on request.
+not depend on how many rows share the call (tested): the linear layers of a tree verification
+compute each token exactly as a one-token forward does (attention still rounds differently with
+the number of queries). In float32 neither holds (oneDNN and MKL round differently from each
+other and by row count) and nothing was gained here, so float32 is only packed on request.
 
 ``PackedLinear`` *is* an ``nn.Linear`` (peft wraps it, the LoRA bank hooks it, ``state_dict`` and
 the fingerprint see the same Parameter): only its forward changes. The packed copy costs the
