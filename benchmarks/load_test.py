@@ -46,6 +46,7 @@ from selfspec.atomic import write_text_atomic
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.serve.metrics import ServerMetrics
+from selfspec.target import DTYPES
 
 BATCHING = ("one-forward", "interleaved", "off")
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-prompts", type=int, default=4, help="first held-out prompts used")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--out", type=Path, default=Path("runs/load_test"))

@@ -82,6 +82,14 @@ class CostCurve:
         return cls(sizes=tuple(data["sizes"]), seconds=tuple(data["seconds"]))  # type: ignore[arg-type]
 
 
+def elapsed_seconds(started: float, device: torch.device) -> float:
+    """Seconds since ``started`` (``time.perf_counter``), once the device's queued work is done:
+    the clock of every verification timing (this curve, and the loop's and server's steps)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 def measure_cost_curve(
     target: TargetForward,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -109,9 +117,7 @@ def measure_cost_curve(
                 started = time.perf_counter()
                 features = target.features(tokens, positions, cache, mask)
                 target.logits(features)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - started
+                elapsed = elapsed_seconds(started, device)
                 cache.crop(-size)  # negative: drop the tree's entries again
                 if run:  # the first round warms up
                     times[size].append(elapsed)

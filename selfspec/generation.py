@@ -18,7 +18,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
-from selfspec.cost_curve import CostCurve
+from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import Drafter, DraftPlan, make_drafter
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.heads.medusa import MedusaHeads
@@ -42,13 +42,6 @@ COST_SCALE_DECAY = 0.8
 
 StepScope = Callable[[], contextlib.AbstractContextManager]
 """Makes a context entered around every step of one request (e.g. activating its adapter)."""
-
-
-def elapsed_seconds(started: float, device: torch.device) -> float:
-    """Seconds since ``started`` (``time.perf_counter``), once the device's queued work is done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -317,7 +310,7 @@ class SpeculativeGenerator:
         if self.cost_curve is None:
             return
         measured = seconds / self.cost_curve.at(tokens)
-        state.cost_scale = COST_SCALE_DECAY * state.cost_scale + (1 - COST_SCALE_DECAY) * measured
+        state.cost_scale = _moving_average(state.cost_scale, measured)
 
     def conclude(
         self,
@@ -349,9 +342,8 @@ class SpeculativeGenerator:
                     state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
                 )
         state.root_token = verdict.bonus
-        seconds = elapsed_seconds(started, logits.device)
-        state.overhead_seconds = (
-            COST_SCALE_DECAY * state.overhead_seconds + (1 - COST_SCALE_DECAY) * seconds
+        state.overhead_seconds = _moving_average(
+            state.overhead_seconds, elapsed_seconds(started, logits.device)
         )
         if tree.scores is not None and tree.size > 1:
             state.drafts_predicted += float(tree.scores[1:].exp().sum())
@@ -536,6 +528,11 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
         if index >= 0 and (found is None or index < found):
             found = index
     return found
+
+
+def _moving_average(average: float, sample: float) -> float:
+    """One step of the exponential moving averages tree sizing reads (cost scale, overhead)."""
+    return COST_SCALE_DECAY * average + (1 - COST_SCALE_DECAY) * sample
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

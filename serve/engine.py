@@ -37,7 +37,8 @@ import torch
 from selfspec.adapters.errors import StoreFull
 from selfspec.adapters.store import AdapterStore, LoraBackend
 from selfspec.batched_verify import verify_features
-from selfspec.generation import GenerationResult, GenerationStream, StepOutput, elapsed_seconds
+from selfspec.cost_curve import elapsed_seconds
+from selfspec.generation import GenerationResult, GenerationStream, StepOutput
 from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.metrics import ServerMetrics
