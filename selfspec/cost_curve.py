@@ -164,6 +164,7 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
         fingerprint_of(target.model).describe(),
         str(target.dtype),
         f"packed={is_packed(target.model)}",
+        f"lean={target.lean is not None}",
         str(target.device),
         str(torch.get_num_threads()),
         torch.__version__,

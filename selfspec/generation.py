@@ -141,7 +141,8 @@ class SpeculativeGenerator:
 
     Holds references only; every request gets its own RequestState. ``cost_curve`` (this
     machine's verification cost per tree size, see ``selfspec.cost_curve``) enables adaptive
-    trees, the default tree when it is given.
+    trees, the default tree when it is given. ``lean_body=False`` runs the target's decoder body
+    through transformers even where ``selfspec.lean_body`` covers it (same results, slower).
     """
 
     def __init__(
@@ -150,8 +151,9 @@ class SpeculativeGenerator:
         heads: nn.Module | None = None,
         tokenizer: Any = None,
         cost_curve: CostCurve | None = None,
+        lean_body: bool = True,
     ) -> None:
-        self.target = TargetForward(model)
+        self.target = TargetForward(model, lean=lean_body)
         self.cost_curve = cost_curve
         self.heads = heads
         self.drafter: Drafter | None = (

@@ -2,7 +2,9 @@
 
 Running the decoder body and the ``lm_head`` separately (both public: ``get_decoder``,
 ``get_output_embeddings``) gives the feature the heads build on, and lets prefill skip the
-vocabulary projection for every prompt position but the last.
+vocabulary projection for every prompt position but the last. Where ``selfspec.lean_body``
+covers the body and the call, it runs the body: the same bits, without transformers' per-layer
+Python.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from selfspec.lean_body import LeanBody, unsupported_reason
+
 
 class TargetForward:
-    """Thin view of an HF causal LM (optionally peft-wrapped). Holds no per-request state."""
+    """Thin view of an HF causal LM (optionally peft-wrapped). Holds no per-request state.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    ``lean``: run the body through ``LeanBody`` where it is supported (bit-identical results);
+    False always calls the HF body (benchmarks compare the two)."""
+
+    def __init__(self, model: PreTrainedModel, lean: bool = True) -> None:
         self.model = model
         self.body: nn.Module = model.get_decoder()
+        self.lean: LeanBody | None = (
+            LeanBody(self.body) if lean and unsupported_reason(self.body) is None else None
+        )
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.embed: nn.Module = model.get_input_embeddings()
         if self.lm_head is None or self.embed is None:
@@ -44,12 +54,14 @@ class TargetForward:
 
     def features(
         self,
-        input_ids: torch.Tensor,  # [1, S]
-        position_ids: torch.Tensor,  # [1, S]
+        input_ids: torch.Tensor,  # [B, S]
+        position_ids: torch.Tensor,  # [B, S]
         cache: DynamicCache,
-        attention_mask: torch.Tensor | None = None,  # [1, 1, S, cache + S] or None (causal)
+        attention_mask: torch.Tensor | None = None,  # [B, 1, S, cache + S] or None (causal)
     ) -> torch.Tensor:
-        """Last hidden state (the lm_head's input), appending S entries to the cache. # [1, S, H]"""
+        """Last hidden state (the lm_head's input), appending S entries to the cache. # [B, S, H]"""
+        if self.lean is not None and self.lean.covers(input_ids, cache, attention_mask):
+            return self.lean(input_ids, position_ids, cache, attention_mask)
         out = self.body(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -1,0 +1,180 @@
+"""The target's decoder body without transformers' per-layer Python: the same ops, the same bits.
+
+A decoding step runs the whole body for a handful of tokens, so on a CPU its time is the weights
+streaming through the linear layers plus a few dozen small tensor ops per layer, and the Python
+around them: the decoder layer and attention modules with their decorators and keyword plumbing,
+the attention-function registry, mask creation, ``rotate_half``'s slices and concatenation. For
+SmolLM2-135M in bf16 that glue was a tenth of a tree verification's time on this project's CPU
+(``benchmarks/speed.py`` has a row without it).
+
+``LeanBody`` runs a Llama-family body (Llama, Qwen2, Mistral; full attention, SDPA) from the
+body's own modules. The embedding, rotary embedding, norms, projections and MLPs are *called*,
+as they are: peft's LoRA layers, the LoRA bank's hooks and packed weights apply unchanged. Only
+the glue is written here, op for op what transformers computes: rotary application (the
+half rotation done by swapping the halves against a sign-folded sine, which rounds exactly as
+``rotate_half``'s negation does), the KV cache update (``Cache.update``), the SDPA call with
+the arguments transformers' ``sdpa`` attention passes, and the residual adds. The output is
+bit-identical to the HF body in every dtype: tests compare with ``torch.equal`` on tiny models
+of each architecture, with tree masks, batched masks and LoRA adapters.
+
+Anything else (another architecture, sliding-window layers, eager or flash attention, training
+mode, a multi-token forward over a cache without an explicit mask) is left to transformers:
+``unsupported_reason`` says why for a body, ``covers`` for a call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import Cache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+
+
+def unsupported_reason(body: nn.Module) -> str | None:
+    """Why ``LeanBody`` can't run ``body`` exactly as transformers does, or None if it can."""
+    config = getattr(body, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    for part in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(body, part):
+            return f"the body has no {part!r}"
+    if getattr(config, "sliding_window", None) is not None and any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["sliding"]
+    ):
+        return "sliding-window attention layers"
+    for index, layer in enumerate(body.layers):
+        missing = [part for part in _LAYER_PARTS if not hasattr(layer, part)]
+        missing += [
+            f"self_attn.{part}" for part in _ATTENTION_PARTS if not hasattr(layer.self_attn, part)
+        ]
+        if missing:
+            return f"decoder layer {index} has no {', '.join(missing)}"
+        extra = [part for part in ("q_norm", "k_norm") if hasattr(layer.self_attn, part)]
+        if extra:
+            return f"decoder layer {index} normalises its queries/keys ({', '.join(extra)})"
+    return None
+
+
+class LeanBody:
+    """Runs a supported decoder body (see ``unsupported_reason``) for decoding. Holds no state
+    but the body; every call passes its cache."""
+
+    def __init__(self, body: nn.Module) -> None:
+        reason = unsupported_reason(body)
+        if reason is not None:
+            raise ValueError(f"LeanBody can't run {type(body).__name__}: {reason}")
+        self.body = body
+        self.config = body.config
+        self.layers = list(body.layers)
+
+    def covers(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        cache: Cache,
+        attention_mask: torch.Tensor | None,  # [B, 1, S, cache + S] or None
+    ) -> bool:
+        """Whether this call computes what the HF body would: SDPA attention in eval mode, and
+        either an explicit 4D mask, a single token, or a causal prompt over an empty cache."""
+        if self.config._attn_implementation != "sdpa" or self.body.training:
+            return False
+        if attention_mask is not None:
+            return attention_mask.dim() == 4 and attention_mask.dtype.is_floating_point
+        return input_ids.shape[1] == 1 or cache.get_seq_length() == 0
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        position_ids: torch.Tensor,  # [B, S]
+        cache: Cache,
+        attention_mask: torch.Tensor | None = None,  # [B, 1, S, cache + S] float, or None
+    ) -> torch.Tensor:
+        """The body's last hidden state # [B, S, H]; appends S entries to every layer's cache."""
+        body = self.body
+        hidden = body.embed_tokens(input_ids)  # [B, S, H]
+        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
+        cos, signed_sin = cos.unsqueeze(1), _sign_folded(sin).unsqueeze(1)  # [B, 1, S, D]
+        batch, length = input_ids.shape
+        causal = attention_mask is None and length > 1  # a prompt over an empty cache
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            head_dim = attention.head_dim
+            normed = layer.input_layernorm(hidden)
+            # [B, S, heads * D] -> [B, heads, S, D]
+            query = attention.q_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+            key = attention.k_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+            value = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+            query = _rotate(query, cos, signed_sin)
+            key = _rotate(key, cos, signed_sin)
+            key, value = cache.update(key, value, index)  # [B, kv_heads, cache + S, D]
+            attended = _attend(query, key, value, attention_mask, attention.scaling, causal)
+            attended = attended.transpose(1, 2).contiguous().reshape(batch, length, -1)
+            hidden = hidden + attention.o_proj(attended)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return body.norm(hidden)
+
+
+def _sign_folded(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated. # [..., D] -> [..., D]
+
+    ``rotate_half(x) * sin`` is ``cat(-x2, x1) * sin``; ``cat(x2, x1) * _sign_folded(sin)`` gives
+    the same bits (a product's magnitude does not depend on which factor carries the sign) with
+    one sign flip per forward instead of one per layer and tensor."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(
+    states: torch.Tensor,  # [B, heads, S, D]
+    cos: torch.Tensor,  # [B, 1, S, D]
+    signed_sin: torch.Tensor,  # [B, 1, S, D]
+) -> torch.Tensor:
+    """Rotary position embedding as transformers applies it (``x * cos + rotate_half(x) * sin``).
+    # [B, heads, S, D]"""
+    batch, heads, length, dim = states.shape
+    swapped = (
+        states.reshape(batch, heads, length, 2, dim // 2).flip(3).view(batch, heads, length, dim)
+    )
+    return (states * cos) + (swapped * signed_sin)
+
+
+def _attend(
+    query: torch.Tensor,  # [B, heads, S, D]
+    key: torch.Tensor,  # [B, kv_heads, K, D]
+    value: torch.Tensor,  # [B, kv_heads, K, D]
+    attention_mask: torch.Tensor | None,  # [B, 1, S, K] or None
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """SDPA called as transformers' ``sdpa`` attention calls it on CPU. # [B, heads, S, D]
+
+    Grouped-query heads: without a mask SDPA groups them itself (``enable_gqa``); with a mask the
+    key/value heads are repeated first, as ``repeat_kv`` does."""
+    groups = query.shape[1] // key.shape[1]
+    extra = {}
+    if groups > 1:
+        if attention_mask is None and key.shape[-1] == value.shape[-1] <= 256:
+            extra["enable_gqa"] = True
+        else:
+            key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        scale=scaling,
+        is_causal=causal,
+        **extra,
+    )
+
+
+def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """# [B, kv_heads, K, D] -> [B, kv_heads * groups, K, D], each head repeated in place."""
+    batch, heads, length, dim = states.shape
+    expanded = states[:, :, None].expand(batch, heads, groups, length, dim)
+    return expanded.reshape(batch, heads * groups, length, dim)
