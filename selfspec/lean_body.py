@@ -13,7 +13,8 @@ as they are: peft's LoRA layers, the LoRA bank's hooks and packed weights apply 
 the glue is written here, op for op what transformers computes: rotary application (the
 half rotation done by swapping the halves against a sign-folded sine, which rounds exactly as
 ``rotate_half``'s negation does), the KV cache update (``Cache.update``), the SDPA call with
-the arguments transformers' ``sdpa`` attention passes, and the residual adds. The output is
+the arguments transformers' ``sdpa`` attention passes (grouped heads read in place rather
+than repeated), and the residual adds. The output is
 bit-identical to the HF body in every dtype: tests compare with ``torch.equal`` on tiny models
 of each architecture, with tree masks, batched masks and LoRA adapters.
 
@@ -97,19 +98,19 @@ class LeanBody:
         body = self.body
         hidden = body.embed_tokens(input_ids)  # [B, S, H]
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
-        cos, signed_sin = cos.unsqueeze(1), _sign_folded(sin).unsqueeze(1)  # [B, 1, S, D]
+        cos, signed_sin = cos.unsqueeze(2), _sign_folded(sin).unsqueeze(2)  # [B, S, 1, D]
         batch, length = input_ids.shape
         causal = attention_mask is None and length > 1  # a prompt over an empty cache
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             head_dim = attention.head_dim
             normed = layer.input_layernorm(hidden)
-            # [B, S, heads * D] -> [B, heads, S, D]
-            query = attention.q_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
-            key = attention.k_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+            # [B, S, heads * D] -> [B, S, heads, D], rotated, then -> [B, heads, S, D] (a view)
+            query = attention.q_proj(normed).view(batch, length, -1, head_dim)
+            key = attention.k_proj(normed).view(batch, length, -1, head_dim)
             value = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
-            query = _rotate(query, cos, signed_sin)
-            key = _rotate(key, cos, signed_sin)
+            query = _rotate(query, cos, signed_sin).transpose(1, 2)
+            key = _rotate(key, cos, signed_sin).transpose(1, 2)
             key, value = cache.update(key, value, index)  # [B, kv_heads, cache + S, D]
             attended = _attend(query, key, value, attention_mask, attention.scaling, causal)
             attended = attended.transpose(1, 2).contiguous().reshape(batch, length, -1)
@@ -129,16 +130,15 @@ def _sign_folded(sin: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(
-    states: torch.Tensor,  # [B, heads, S, D]
-    cos: torch.Tensor,  # [B, 1, S, D]
-    signed_sin: torch.Tensor,  # [B, 1, S, D]
+    states: torch.Tensor,  # [B, S, heads, D], contiguous
+    cos: torch.Tensor,  # [B, S, 1, D]
+    signed_sin: torch.Tensor,  # [B, S, 1, D]
 ) -> torch.Tensor:
-    """Rotary position embedding as transformers applies it (``x * cos + rotate_half(x) * sin``).
-    # [B, heads, S, D]"""
-    batch, heads, length, dim = states.shape
-    swapped = (
-        states.reshape(batch, heads, length, 2, dim // 2).flip(3).view(batch, heads, length, dim)
-    )
+    """Rotary position embedding as transformers applies it (``x * cos + rotate_half(x) * sin``),
+    elementwise, so applied before the heads are transposed (no copy of a strided tensor).
+    # [B, S, heads, D]"""
+    batch, length, heads, dim = states.shape
+    swapped = states.view(batch, length, heads, 2, dim // 2).flip(3).view(batch, length, heads, dim)
     return (states * cos) + (swapped * signed_sin)
 
 
@@ -152,15 +152,11 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA called as transformers' ``sdpa`` attention calls it on CPU. # [B, heads, S, D]
 
-    Grouped-query heads: without a mask SDPA groups them itself (``enable_gqa``); with a mask the
-    key/value heads are repeated first, as ``repeat_kv`` does."""
-    groups = query.shape[1] // key.shape[1]
-    extra = {}
-    if groups > 1:
-        if attention_mask is None and key.shape[-1] == value.shape[-1] <= 256:
-            extra["enable_gqa"] = True
-        else:
-            key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+    Grouped-query heads: where transformers passes a mask it first repeats the key/value heads
+    (``repeat_kv``, two copies of the cache per layer); SDPA's ``enable_gqa`` reads each query
+    head's key/value head in place, the same numbers through the same kernel, so the same bits
+    (tested with tree and batched masks)."""
+    grouped = query.shape[1] != key.shape[1]
     return F.scaled_dot_product_attention(
         query,
         key,
@@ -169,12 +165,5 @@ def _attend(
         dropout_p=0.0,
         scale=scaling,
         is_causal=causal,
-        **extra,
+        enable_gqa=grouped,
     )
-
-
-def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
-    """# [B, kv_heads, K, D] -> [B, kv_heads * groups, K, D], each head repeated in place."""
-    batch, heads, length, dim = states.shape
-    expanded = states[:, :, None].expand(batch, heads, groups, length, dim)
-    return expanded.reshape(batch, heads * groups, length, dim)
