@@ -13,8 +13,8 @@ as they are: peft's LoRA layers, the LoRA bank's hooks and packed weights apply 
 the glue is written here, op for op what transformers computes: rotary application (the
 half rotation done by swapping the halves against a sign-folded sine, which rounds exactly as
 ``rotate_half``'s negation does), the KV cache update (``Cache.update``), the SDPA call with
-the arguments transformers' ``sdpa`` attention passes (grouped heads read in place rather
-than repeated), and the residual adds. The output is
+the arguments and query layout transformers' ``sdpa`` attention uses (grouped heads read in
+place rather than repeated), and the residual adds. The output is
 bit-identical to the HF body in every dtype: tests compare with ``torch.equal`` on tiny models
 of each architecture, with tree masks, batched masks and LoRA adapters.
 
@@ -152,11 +152,21 @@ def _attend(
 ) -> torch.Tensor:
     """SDPA called as transformers' ``sdpa`` attention calls it on CPU. # [B, heads, S, D]
 
-    Grouped-query heads: where transformers passes a mask it first repeats the key/value heads
-    (``repeat_kv``, two copies of the cache per layer); SDPA's ``enable_gqa`` reads each query
-    head's key/value head in place, the same numbers through the same kernel, so the same bits
-    (tested with tree and batched masks)."""
-    grouped = query.shape[1] != key.shape[1]
+    Grouped-query heads, three cases as there: without a mask SDPA groups them itself
+    (``enable_gqa``); one query with a mask runs as ``groups`` queries per key/value head
+    (transformers' ``pack_gqa``; SDPA rounds differently for one query row than for several, so
+    this case must be packed exactly so); several queries with a mask, where transformers repeats
+    the key/value heads (``repeat_kv``, two copies of the cache per layer), read each query head's
+    key/value head in place with ``enable_gqa``: the same numbers through the same kernel, the
+    same bits (tested with tree and batched masks)."""
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if heads != kv_heads and attention_mask is not None and length == 1:
+        packed = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        attended = F.scaled_dot_product_attention(
+            packed, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling
+        )
+        return attended.reshape(batch, heads, 1, dim)
     return F.scaled_dot_product_attention(
         query,
         key,
@@ -165,5 +175,5 @@ def _attend(
         dropout_p=0.0,
         scale=scaling,
         is_causal=causal,
-        enable_gqa=grouped,
+        enable_gqa=heads != kv_heads,
     )

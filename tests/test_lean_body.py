@@ -39,8 +39,9 @@ DEPTHS = [0, 1, 1, 2, 2, 2, 3]
 
 
 def _run_steps(target: TargetForward, lean: bool, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A prompt, one token, a tree, then one token over the tree's cache: every output and the
-    final cache's keys and values."""
+    """A prompt, one token, a tree, one token over the tree's cache, then one token as a
+    one-node tree (with a mask, as the vanilla loop runs it): every output and the final cache's
+    keys and values."""
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB_SIZE, (1, 9), generator=generator)
     step = torch.randint(3, VOCAB_SIZE, (1, 1), generator=generator)
@@ -54,6 +55,8 @@ def _run_steps(target: TargetForward, lean: bool, dtype: torch.dtype) -> list[to
         positions = torch.tensor([DEPTHS]) + 10
         outputs.append(target.features(tree, positions, cache, mask))
         outputs.append(target.features(step, torch.tensor([[14]]), cache))
+        root_only = _tree_mask([-1], 18, dtype)
+        outputs.append(target.features(step, torch.tensor([[15]]), cache, root_only))
     finally:
         target.lean = saved
     for layer in cache.layers:
