@@ -6,7 +6,8 @@ around them: the decoder layer and attention modules with their decorators and k
 the attention-function registry, mask creation, ``rotate_half``'s slices and concatenation,
 ``repeat_kv``'s copies of the cache. Measured on this project's CPU (SmolLM2-135M, bf16, packed
 weights, 1 thread): a 4- or 8-token tree forward 0.86x the HF body's time, selfspec's vanilla
-loop 1.12x faster (``benchmarks/speed.py`` runs a vanilla row over the HF body beside it).
+loop 1.06-1.12x faster in two runs (``benchmarks/speed.py`` runs a vanilla row over the HF body
+beside it).
 
 ``LeanBody`` runs a Llama-family body (Llama, Qwen2, Mistral; full attention, SDPA) from the
 body's own modules. The embedding, rotary embedding, norms, projections and MLPs are *called*,
@@ -15,9 +16,9 @@ the glue is written here, op for op what transformers computes: rotary applicati
 half rotation done by swapping the halves against a sign-folded sine, which rounds exactly as
 ``rotate_half``'s negation does), the KV cache update (``Cache.update``), the SDPA call with
 the arguments and query layout transformers' ``sdpa`` attention uses (grouped heads read in
-place rather than repeated), and the residual adds. The output is
-bit-identical to the HF body in every dtype: tests compare with ``torch.equal`` on tiny models
-of each architecture, with tree masks, batched masks and LoRA adapters.
+place rather than repeated), and the residual adds. The output is bit-identical to the HF body
+in every dtype: tests compare with ``torch.equal`` on tiny models of each architecture, with
+tree masks, batched masks, packed weights and LoRA adapters.
 
 Anything else (another architecture, sliding-window layers, eager or flash attention, training
 mode, a multi-token forward over a cache without an explicit mask) is left to transformers:
