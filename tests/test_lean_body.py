@@ -8,6 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tiny_models import VOCAB_SIZE, make_tiny_model, tiny_config
+from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from selfspec.cost_curve import _machine_key
@@ -38,27 +39,25 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a 7-node tree, depths 0, 1, 1, 2, 2, 2, 3
 DEPTHS = [0, 1, 1, 2, 2, 2, 3]
 
 
-def _run_steps(target: TargetForward, lean: bool, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A prompt, one token, a tree, one token over the tree's cache, then one token as a
-    one-node tree (with a mask, as the vanilla loop runs it): every output and the final cache's
-    keys and values."""
+def _run_steps(model: nn.Module, lean: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Through ``TargetForward(model, lean=lean)``: a prompt, one token, a tree, one token over
+    the tree's cache, then one token as a one-node tree (with a mask, as the vanilla loop runs
+    it): every output and the final cache's keys and values."""
+    target = TargetForward(model, lean=lean)
+    assert (target.lean is not None) == lean
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB_SIZE, (1, 9), generator=generator)
     step = torch.randint(3, VOCAB_SIZE, (1, 1), generator=generator)
     tree = torch.randint(3, VOCAB_SIZE, (1, len(PARENTS)), generator=generator)
-    saved, target.lean = target.lean, (target.lean if lean else None)
-    try:
-        cache = target.new_cache()
-        outputs = [target.features(prompt, torch.arange(9)[None], cache)]
-        outputs.append(target.features(step, torch.tensor([[9]]), cache))
-        mask = _tree_mask(PARENTS, 10, dtype)
-        positions = torch.tensor([DEPTHS]) + 10
-        outputs.append(target.features(tree, positions, cache, mask))
-        outputs.append(target.features(step, torch.tensor([[14]]), cache))
-        root_only = _tree_mask([-1], 18, dtype)
-        outputs.append(target.features(step, torch.tensor([[15]]), cache, root_only))
-    finally:
-        target.lean = saved
+    cache = target.new_cache()
+    outputs = [target.features(prompt, torch.arange(9)[None], cache)]
+    outputs.append(target.features(step, torch.tensor([[9]]), cache))
+    mask = _tree_mask(PARENTS, 10, dtype)
+    positions = torch.tensor([DEPTHS]) + 10
+    outputs.append(target.features(tree, positions, cache, mask))
+    outputs.append(target.features(step, torch.tensor([[14]]), cache))
+    root_only = _tree_mask([-1], 18, dtype)
+    outputs.append(target.features(step, torch.tensor([[15]]), cache, root_only))
     for layer in cache.layers:
         outputs += [layer.keys, layer.values]
     return outputs
@@ -75,10 +74,8 @@ def _assert_all_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
 def test_bit_identical_to_the_hf_body(arch: str, dtype: torch.dtype) -> None:
     model = make_tiny_model(arch).to(dtype)
-    target = TargetForward(model)
-    assert target.lean is not None
     with torch.inference_mode():
-        _assert_all_equal(_run_steps(target, True, dtype), _run_steps(target, False, dtype))
+        _assert_all_equal(_run_steps(model, True, dtype), _run_steps(model, False, dtype))
 
 
 @pytest.mark.skipif(not packing_available(torch.bfloat16), reason="no oneDNN bf16 packing here")
@@ -86,10 +83,9 @@ def test_bit_identical_to_the_hf_body(arch: str, dtype: torch.dtype) -> None:
 def test_bit_identical_with_packed_weights(arch: str) -> None:
     model = make_tiny_model(arch).to(torch.bfloat16)
     assert pack_linears(model) > 0
-    target = TargetForward(model)
     with torch.inference_mode():
         _assert_all_equal(
-            _run_steps(target, True, torch.bfloat16), _run_steps(target, False, torch.bfloat16)
+            _run_steps(model, True, torch.bfloat16), _run_steps(model, False, torch.bfloat16)
         )
 
 
@@ -103,20 +99,17 @@ def test_bit_identical_under_a_peft_lora_adapter(arch: str) -> None:
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
     peft_model.eval()
-    target = TargetForward(peft_model)
-    assert target.lean is not None
     with torch.inference_mode():
-        adapted = _run_steps(target, True, torch.float32)
-        _assert_all_equal(adapted, _run_steps(target, False, torch.float32))
+        adapted = _run_steps(peft_model, True, torch.float32)
+        _assert_all_equal(adapted, _run_steps(peft_model, False, torch.float32))
         with peft_model.disable_adapter():
-            base = _run_steps(target, True, torch.float32)
+            base = _run_steps(peft_model, True, torch.float32)
     assert not torch.equal(adapted[0], base[0])  # the adapter was applied on the lean path
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batched_trees_bit_identical(dtype: torch.dtype) -> None:
     model = make_tiny_model("llama").to(dtype)
-    target = TargetForward(model)
     generator = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, VOCAB_SIZE, (2, 6), generator=generator)
     tree = torch.randint(3, VOCAB_SIZE, (2, 4), generator=generator)
@@ -128,11 +121,10 @@ def test_batched_trees_bit_identical(dtype: torch.dtype) -> None:
     results = []
     with torch.inference_mode():
         for lean in (True, False):
-            saved, target.lean = target.lean, (target.lean if lean else None)
+            target = TargetForward(model, lean=lean)
             cache = target.new_cache()
             target.features(prefix, torch.arange(6).expand(2, 6), cache)
             results.append([target.features(tree, positions, cache, mask), *cache.layers[0].keys])
-            target.lean = saved
     _assert_all_equal(results[0], results[1])
 
 
