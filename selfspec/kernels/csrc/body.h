@@ -1,0 +1,324 @@
+// The kernels, written once against the 16-lane vector `V` of vec_<isa>.h and included by each
+// isa_<name>.cpp inside its own namespace.
+//
+// Row invariance by construction: every output element is reduced in one fixed order that
+// depends on nothing but its own inputs. A linear output y[m, n] accumulates x[m, k] * w[n, k]
+// with lane k % 16 of one vector (fused multiply-add, k ascending), then sums the 16 lanes in
+// vhsum's fixed order; how many rows share the call, which tile a row falls in and which thread
+// computes it change nothing. Attention for one query row and head visits only the keys its mask
+// allows, in key order, so a masked-out key (another tree branch, padding) contributes nothing,
+// not even a rounding: a tree token attends exactly as the same token decoded alone.
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Linear: y[M, N] = x[M, K] . w[N, K]^T (+ bias)
+
+// Bytes of one stored weight row, for prefetching the next tile while this one computes.
+static inline int64_t row_bytes(const LinearParams& p) {
+  switch (p.format) {
+    case kFloat32: return p.K * 4;
+    case kBFloat16: return p.K * 2;
+    case kInt8: return p.K;
+    default: return p.K / 2;
+  }
+}
+
+// Where weight row n's codes and scales start.
+struct RowRef {
+  const char* data;
+  const float* scale;
+  const float* minimum;
+};
+
+static inline RowRef row_ref(const LinearParams& p, int64_t n) {
+  const char* base = static_cast<const char*>(p.w);
+  switch (p.format) {
+    case kInt8: {
+      const int64_t groups = p.group_shift < 0 ? 1 : (p.K >> p.group_shift) + ((p.K & ((int64_t{1} << p.group_shift) - 1)) != 0);
+      return {base + n * p.K, p.scale + n * groups, nullptr};
+    }
+    case kQ4_1: return {base + n * (p.K / 32) * 16, p.scale + n * (p.K / 32), p.minimum + n * (p.K / 32)};
+    default: return {base + n * row_bytes(p), nullptr, nullptr};
+  }
+}
+
+// 16 weights of a row from element k (k a multiple of 16), as floats; `rest` < 16 reads only
+// that many (the others 0). Every format's dequantization in one place, so the direct path
+// (few rows) and the scratch path (many rows) compute the same values.
+template <int64_t FORMAT>
+static inline V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t group_shift) {
+  if constexpr (FORMAT == kFloat32) {
+    const float* src = reinterpret_cast<const float*>(row.data) + k;
+    return rest == 16 ? vload(src) : vload_n(src, rest);
+  } else if constexpr (FORMAT == kBFloat16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(row.data) + k;
+    if (rest == 16) return vload_bf16(src);
+    alignas(64) uint16_t buffer[16] = {0};
+    for (int i = 0; i < rest; ++i) buffer[i] = src[i];
+    return vload_bf16(buffer);
+  } else if constexpr (FORMAT == kInt8) {
+    const int8_t* src = reinterpret_cast<const int8_t*>(row.data) + k;
+    const V scale = vset1(row.scale[group_shift < 0 ? 0 : k >> group_shift]);
+    if (rest == 16) return vmul(vload_i8(src), scale);
+    alignas(64) int8_t buffer[16] = {0};
+    for (int i = 0; i < rest; ++i) buffer[i] = src[i];
+    return vmul(vload_i8(buffer), scale);
+  } else {  // kQ4_1, K a multiple of 32: elements k..k+15 are one half of block k / 32
+    const int64_t block = k >> 5;
+    const V q = vload_q4_half(reinterpret_cast<const uint8_t*>(row.data) + block * 16, (k >> 4) & 1);
+    // (q * d) + m as two roundings, as GGUF's reference dequantization computes it.
+    return vadd(vmul(q, vset1(row.scale[block])), vset1(row.minimum[block]));
+  }
+}
+
+static inline const char* row_start(const LinearParams& p, int64_t n) {
+  return static_cast<const char*>(p.w) + n * row_bytes(p);
+}
+
+// out[r][c] = sum over k of x_rows[r][k] * w(c, k), in the fixed order described above, where
+// the weights come from `load(c, k, rest)`. Prefetches `next[c]` (the next tile's rows,
+// `next_bytes` each) along the way, so memory streams while this tile computes.
+template <int R, int C, typename Load>
+static inline void dot_tile(const float* const* x_rows, Load load, int64_t K,
+                            const char* const* next, int64_t from, int64_t to,
+                            float (*out)[kTileCols]) {
+  V acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  const int64_t steps = (K + 15) / 16;
+  // Cache lines [from, to) of each next row, a few per step.
+  const int64_t lines_per_step = (to - from + 64 * steps - 1) / (64 * steps);
+  int64_t line = from;
+  int64_t k = 0;
+  for (int64_t step = 0; step < steps; ++step, k += 16) {
+    const int rest = k + 16 <= K ? 16 : static_cast<int>(K - k);
+    for (int64_t i = 0; i < lines_per_step && line < to; ++i, line += 64) {
+      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
+    }
+    V w[C];
+    for (int c = 0; c < C; ++c) w[c] = load(c, k, rest);
+    for (int r = 0; r < R; ++r) {
+      const V x = rest == 16 ? vload(x_rows[r] + k) : vload_n(x_rows[r] + k, rest);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(x, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = vhsum(acc[r][c]);
+}
+
+// dot_tile for `rows` (1..R) rows, chosen at run time, compiled for each count.
+template <int R, typename Load>
+static inline void dot_rows(int rows, const float* const* x_rows, Load load, int64_t K,
+                            const char* const* next, int64_t from, int64_t to,
+                            float (*out)[kTileCols]) {
+  if (rows == R) {
+    dot_tile<R, kTileCols>(x_rows, load, K, next, from, to, out);
+  } else if constexpr (R > 1) {
+    dot_rows<R - 1>(rows, x_rows, load, K, next, from, to, out);
+  }
+}
+
+// Columns [n_begin, n_end) of y, every row. `scratch`: linear_scratch_floats(p) floats.
+//
+// Up to one tile of rows reads the stored weights directly (dequantizing as it goes); more rows
+// dequantize each tile of weight rows once into `scratch` and read it from there. Both give the
+// same floats, so a row's result is the same either way.
+template <int64_t FORMAT>
+static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
+  const int64_t K = p.K, M = p.M, N = p.N;
+  const int64_t stride = ((K + 15) / 16) * 16 + 16;
+  const int64_t bytes = row_bytes(p);
+  const bool direct = M <= kTileRows || FORMAT == kFloat32;
+  const int64_t shift = p.group_shift;
+  for (int64_t n = n_begin; n < n_end; n += kTileCols) {
+    // Fewer columns than a tile only at the end of the range: spare slots repeat the last one.
+    const int columns = static_cast<int>(min64(kTileCols, n_end - n));
+    int64_t rows_of[kTileCols];
+    RowRef refs[kTileCols];
+    const char* next[kTileCols];
+    for (int c = 0; c < kTileCols; ++c) {
+      rows_of[c] = n + (c < columns ? c : columns - 1);
+      refs[c] = row_ref(p, rows_of[c]);
+      // Two tiles ahead: far enough to cover memory latency when a tile computes quickly.
+      next[c] = row_start(p, min64(rows_of[c] + 2 * kTileCols, N - 1));
+    }
+    const float* dense[kTileCols];
+    if (!direct) {
+      for (int c = 0; c < kTileCols; ++c) {
+        float* dst = scratch + c * stride;
+        dense[c] = dst;
+        if (c >= columns) continue;
+        for (int64_t k = 0; k < K; k += 16) {
+          vstore(dst + k, weight_chunk<FORMAT>(refs[c], k, k + 16 <= K ? 16 : static_cast<int>(K - k), shift));
+        }
+      }
+      for (int c = columns; c < kTileCols; ++c) dense[c] = dense[columns - 1];
+    }
+    auto from_store = [&](int c, int64_t k, int rest) { return weight_chunk<FORMAT>(refs[c], k, rest, shift); };
+    auto from_scratch = [&](int c, int64_t k, int rest) {
+      return rest == 16 ? vload(dense[c] + k) : vload_n(dense[c] + k, rest);
+    };
+    // Each tile of rows prefetches its share of the next weight rows' bytes.
+    const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
+    for (int64_t m = 0; m < M; m += kTileRows) {
+      const int rows = static_cast<int>(min64(kTileRows, M - m));
+      const int64_t tile = m / kTileRows;
+      const int64_t from = bytes * tile / row_tiles, to = bytes * (tile + 1) / row_tiles;
+      const float* x_rows[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) x_rows[r] = p.x + (m + (r < rows ? r : rows - 1)) * K;
+      float out[kTileRows][kTileCols];
+      if (direct) dot_rows<kTileRows>(rows, x_rows, from_store, K, next, from, to, out);
+      else dot_rows<kTileRows>(rows, x_rows, from_scratch, K, next, from, to, out);
+      for (int r = 0; r < rows; ++r) {
+        float* y = p.y + (m + r) * N + n;
+        for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n + c] : out[r][c];
+      }
+    }
+  }
+}
+
+void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
+  switch (p.format) {
+    case kFloat32: linear_columns_as<kFloat32>(p, n_begin, n_end, scratch); break;
+    case kBFloat16: linear_columns_as<kBFloat16>(p, n_begin, n_end, scratch); break;
+    case kInt8: linear_columns_as<kInt8>(p, n_begin, n_end, scratch); break;
+    default: linear_columns_as<kQ4_1>(p, n_begin, n_end, scratch); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention: out[b, s, h] = softmax(q . k^T * scale + mask) . v over the allowed keys
+
+template <bool BF16>
+static inline V load_kv(const void* base, int64_t offset) {
+  if constexpr (BF16) return vload_bf16(static_cast<const uint16_t*>(base) + offset);
+  else return vload(static_cast<const float*>(base) + offset);
+}
+
+template <bool BF16>
+static inline V load_kv_n(const void* base, int64_t offset, int n) {
+  if constexpr (BF16) {
+    alignas(64) uint16_t buffer[16] = {0};
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    for (int i = 0; i < n; ++i) buffer[i] = src[i];
+    return vload_bf16(buffer);
+  } else {
+    return vload_n(static_cast<const float*>(base) + offset, n);
+  }
+}
+
+// Lane partial sums of a query row times a key row over D (lane d % 16); vhsum finishes it.
+template <bool BF16>
+static inline V query_key(const float* q, const void* k, int64_t k_offset, int64_t D) {
+  V acc = vzero();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) acc = vfma(vload(q + d), load_kv<BF16>(k, k_offset + d), acc);
+  if (d < D) {
+    const int rest = static_cast<int>(D - d);
+    acc = vfma(vload_n(q + d, rest), load_kv_n<BF16>(k, k_offset + d, rest), acc);
+  }
+  return acc;
+}
+
+// out[0:D] = sum over allowed keys i (in order) of p[i] * v[key i], one fused multiply-add per
+// key and lane; CHUNKS vectors of 16 lanes held in registers.
+template <bool BF16, int CHUNKS>
+static inline void weighted_values(const float* p, const int32_t* keys, int64_t count,
+                                   const void* v, int64_t v_base, int64_t D, float* out) {
+  V acc[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) acc[c] = vzero();
+  const int64_t full = D / 16;
+  const int rest = static_cast<int>(D - full * 16);
+  for (int64_t i = 0; i < count; ++i) {
+    const V weight = vset1(p[i]);
+    const int64_t row = v_base + static_cast<int64_t>(keys[i]) * D;
+    for (int c = 0; c < CHUNKS; ++c) {
+      const V value = c < full ? load_kv<BF16>(v, row + 16 * c) : load_kv_n<BF16>(v, row + 16 * c, rest);
+      acc[c] = vfma(weight, value, acc[c]);
+    }
+  }
+  for (int c = 0; c < CHUNKS; ++c) {
+    alignas(64) float buffer[16];
+    vstore(buffer, acc[c]);
+    const int lanes = c < full ? 16 : rest;
+    for (int l = 0; l < lanes; ++l) out[16 * c + l] = buffer[l];
+  }
+}
+
+template <bool BF16>
+static void attend_one(const AttentionParams& p, int64_t item, float* scratch) {
+  const int64_t h = item % p.H, s = (item / p.H) % p.S, b = item / (p.H * p.S);
+  const int64_t T = p.T, D = p.D;
+  const int64_t kv_head = h / (p.H / p.Hkv);
+  const int64_t kv_base = (b * p.Hkv + kv_head) * T * D;
+  const float* q = p.q + item * D;
+  float* scores = scratch;                                         // [allowed keys]
+  int32_t* keys = reinterpret_cast<int32_t*>(scratch + T + 16);    // [allowed keys]
+  float* out = p.out + item * D;
+
+  // 1. The allowed keys, in key order; their scores (16 at a time); the maximum.
+  const float* mask = p.mask ? p.mask + (b * p.S + s) * T : nullptr;
+  const int64_t end = mask ? T : T - p.S + s + 1;  // without a mask: causal over the cache
+  int64_t count = 0;
+  for (int64_t j = 0; j < end; ++j) {
+    if (!mask || mask[j] > -1.0e30f) keys[count++] = static_cast<int32_t>(j);
+  }
+  if (count == 0) {  // nothing to attend to (a padding row): zeros, never NaN
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    return;
+  }
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    V acc[16];
+    for (int u = 0; u < 16; ++u) acc[u] = query_key<BF16>(q, p.k, kv_base + keys[i + u] * D, D);
+    vhsum16(acc, scores + i);
+  }
+  for (; i < count; ++i) scores[i] = vhsum(query_key<BF16>(q, p.k, kv_base + keys[i] * D, D));
+  float top = -3.0e38f;
+  for (i = 0; i < count; ++i) {
+    float score = scores[i] * p.scale;
+    if (mask) score = score + mask[keys[i]];
+    scores[i] = score;
+    top = score > top ? score : top;
+  }
+
+  // 2. Softmax weights; the denominator summed by position in the compacted list.
+  const V top_v = vset1(top);
+  V total = vzero();
+  for (i = 0; i + 16 <= count; i += 16) {
+    V e = vexp_nonpositive(vsub(vload(scores + i), top_v));
+    vstore(scores + i, e);
+    total = vadd(total, e);
+  }
+  if (i < count) {
+    const int rest = static_cast<int>(count - i);
+    alignas(64) float buffer[16];
+    V e = vexp_nonpositive(vsub(vload_n(scores + i, rest), top_v));
+    vstore(buffer, e);
+    for (int l = 0; l < rest; ++l) scores[i + l] = buffer[l];
+    total = vadd(total, vload_n(buffer, rest));
+  }
+  const float denominator = vhsum(total);
+
+  // 3. Weighted values, then one division per lane.
+  switch ((D + 15) / 16) {
+    case 1: weighted_values<BF16, 1>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 2: weighted_values<BF16, 2>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 3: weighted_values<BF16, 3>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 4: weighted_values<BF16, 4>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 5: weighted_values<BF16, 5>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 6: weighted_values<BF16, 6>(scores, keys, count, p.v, kv_base, D, out); break;
+    case 7: weighted_values<BF16, 7>(scores, keys, count, p.v, kv_base, D, out); break;
+    default: weighted_values<BF16, 8>(scores, keys, count, p.v, kv_base, D, out); break;
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = out[d] / denominator;
+}
+
+// Items [begin, end) of the flattened (b, s, h) grid. `scratch`: attention_scratch_floats(p).
+void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch) {
+  for (int64_t item = begin; item < end; ++item) {
+    if (p.kv_bf16) attend_one<true>(p, item, scratch);
+    else attend_one<false>(p, item, scratch);
+  }
+}

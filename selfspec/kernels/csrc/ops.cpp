@@ -1,0 +1,207 @@
+// The torch-facing side: argument checks, instruction-set dispatch and threads over output
+// columns (linear) or (batch, query, head) items (attention), through torch's own thread pool.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "params.h"
+
+namespace selfspec_kernels {
+namespace avx512 {
+void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
+void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+}  // namespace avx512
+namespace avx2 {
+void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
+void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+}  // namespace avx2
+
+namespace {
+
+bool cpu_has(const char* isa) {
+  __builtin_cpu_init();
+  if (std::string(isa) == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  }
+  if (std::string(isa) == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  return false;
+}
+
+// "auto" picks the widest path the CPU runs; a named path must be supported.
+std::string resolve_isa(const std::string& isa) {
+  if (isa == "auto") {
+    if (cpu_has("avx512")) return "avx512";
+    if (cpu_has("avx2")) return "avx2";
+    TORCH_CHECK(false, "selfspec kernels need AVX2 with FMA; this CPU has neither AVX2 nor AVX-512");
+  }
+  TORCH_CHECK(isa == "avx512" || isa == "avx2", "unknown instruction set '", isa,
+              "': expected auto, avx512 or avx2");
+  TORCH_CHECK(cpu_has(isa.c_str()), "this CPU cannot run the ", isa, " path");
+  return isa;
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  if (cpu_has("avx512")) out.push_back("avx512");
+  if (cpu_has("avx2")) out.push_back("avx2");
+  return out;
+}
+
+// x [M, K] fp32 -> y [M, N] fp32. `weight` by format: fp32 / bf16 / int8 [N, K], or uint8
+// [N, K / 32, 16] for q4_1; `scale` [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1).
+torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& scale,
+                     const c10::optional<torch::Tensor>& minimum,
+                     const c10::optional<torch::Tensor>& bias, int64_t group,
+                     const std::string& isa) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t N = weight.size(0);
+  LinearParams p{};
+  p.x = x.data_ptr<float>();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.format = format;
+  p.group = group;
+  p.group_shift = -1;
+  if (group < K) {
+    while ((int64_t{1} << (p.group_shift + 1)) <= group) ++p.group_shift;
+  }
+  switch (format) {
+    case kFloat32:
+      TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.size(1) == K,
+                  "float32 weight must be [N, ", K, "] float32");
+      break;
+    case kBFloat16:
+      TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2 && weight.size(1) == K,
+                  "bfloat16 weight must be [N, ", K, "] bfloat16");
+      break;
+    case kInt8: {
+      TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2 && weight.size(1) == K,
+                  "int8 weight must be [N, ", K, "] int8");
+      TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
+                  "int8 group must be K or a power of two >= 16, got ", group);
+      TORCH_CHECK(scale.has_value(), "int8 weight needs a scale");
+      const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
+      check_cpu(*scale, "scale");
+      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * groups,
+                  "int8 scale must be float32 [N, ", groups, "]");
+      p.scale = scale->data_ptr<float>();
+      break;
+    }
+    case kQ4_1: {
+      TORCH_CHECK(K % 32 == 0, "q4_1 needs K divisible by 32, got ", K);
+      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.numel() == N * (K / 32) * 16,
+                  "q4_1 weight must be uint8 [N, K / 32, 16]");
+      TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1 weight needs scale and min");
+      check_cpu(*scale, "scale");
+      check_cpu(*minimum, "min");
+      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * (K / 32) &&
+                      minimum->scalar_type() == torch::kFloat32 && minimum->numel() == N * (K / 32),
+                  "q4_1 scale and min must be float32 [N, K / 32]");
+      p.scale = scale->data_ptr<float>();
+      p.minimum = minimum->data_ptr<float>();
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unknown weight format ", format);
+  }
+  p.w = weight.data_ptr();
+  if (bias.has_value()) {
+    check_cpu(*bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be float32 [N]");
+    p.bias = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  p.y = y.data_ptr<float>();
+  if (M == 0 || N == 0) return y;
+  const bool wide = resolve_isa(isa) == "avx512";
+  const int64_t tiles = (N + 3) / 4;  // 4 columns: a multiple of both paths' tile width
+  // Enough work per task that a small layer stays on one thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 4 * K * M));
+  const int64_t scratch_size = linear_scratch_floats(p);
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_size);
+    const int64_t n_end = std::min(N, end * 4);
+    if (wide) avx512::linear_columns(p, begin * 4, n_end, scratch.data());
+    else avx2::linear_columns(p, begin * 4, n_end, scratch.data());
+  });
+  return y;
+}
+
+// q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16; mask [B, S, T] fp32 additive (<= -1e30
+// masked) or none (causal: query s sees keys up to T - S + s). -> [B, S, H, D] fp32.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scale,
+                        const std::string& isa) {
+  check_cpu(q, "query");
+  check_cpu(k, "key");
+  check_cpu(v, "value");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "query must be [B, S, H, D] float32");
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
+              "key and value must be [B, Hkv, T, D] of one shape and dtype");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16,
+              "key and value must be float32 or bfloat16");
+  AttentionParams p{};
+  p.B = q.size(0);
+  p.S = q.size(1);
+  p.H = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.T = k.size(2);
+  TORCH_CHECK(k.size(0) == p.B && k.size(3) == p.D, "key must be [", p.B, ", Hkv, T, ", p.D, "]");
+  TORCH_CHECK(p.Hkv > 0 && p.H % p.Hkv == 0, "query heads must be a multiple of key/value heads");
+  TORCH_CHECK(p.D <= 128, "head size above 128 is not supported, got ", p.D);
+  TORCH_CHECK(p.T >= p.S, "fewer keys than queries");
+  p.scale = static_cast<float>(scale);
+  p.kv_bf16 = k.scalar_type() == torch::kBFloat16;
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  if (mask.has_value()) {
+    check_cpu(*mask, "mask");
+    TORCH_CHECK(mask->scalar_type() == torch::kFloat32 && mask->dim() == 3 && mask->size(0) == p.B &&
+                    mask->size(1) == p.S && mask->size(2) == p.T,
+                "mask must be float32 [B, S, T] = [", p.B, ", ", p.S, ", ", p.T, "]");
+    p.mask = mask->data_ptr<float>();
+  }
+  auto out = torch::empty_like(q);
+  p.out = out.data_ptr<float>();
+  const int64_t items = p.B * p.S * p.H;
+  if (items == 0) return out;
+  const bool wide = resolve_isa(isa) == "avx512";
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, p.T * p.D));
+  const int64_t scratch_size = attention_scratch_floats(p);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_size);
+    if (wide) avx512::attention_items(p, begin, end, scratch.data());
+    else avx2::attention_items(p, begin, end, scratch.data());
+  });
+  return out;
+}
+
+}  // namespace selfspec_kernels
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "selfspec's row-invariant small-M linear and fixed-order attention kernels";
+  m.def("supported_isas", &selfspec_kernels::supported_isas);
+  m.def("linear", &selfspec_kernels::linear);
+  m.def("attention", &selfspec_kernels::attention);
+}

@@ -1,0 +1,47 @@
+// Plain-data descriptions of one kernel call, shared by the dispatcher (which includes torch) and
+// the ISA files (which must not: they are compiled for one instruction set each, and an inline
+// function from a shared header compiled for AVX-512 could be picked by the linker for an AVX2
+// machine).
+#pragma once
+#include <cstdint>
+
+namespace selfspec_kernels {
+
+// How a linear layer's weight [N, K] is stored.
+enum WeightFormat : int64_t {
+  kFloat32 = 0,   // w: float [N, K]
+  kBFloat16 = 1,  // w: uint16 (bf16 bits) [N, K]
+  kInt8 = 2,      // w: int8 [N, K]; scale: float [N, K / group]; value = q * scale
+  kQ4_1 = 3,      // w: uint8 [N, K / 32, 16] (GGUF Q4_1 nibbles: byte j = element j | element j+16
+                  //    << 4); scale, min: float [N, K / 32]; value = (q * scale) + min
+};
+
+struct LinearParams {
+  const float* x;        // [M, K] fp32 activations
+  const void* w;         // the weight, laid out as `format` says
+  const float* scale;    // [N, K / group] (int8, q4_1) or null
+  const float* minimum;  // [N, K / 32] (q4_1) or null
+  const float* bias;     // [N] or null
+  float* y;              // [M, N] output
+  int64_t M, N, K;
+  int64_t format;
+  int64_t group;         // elements per scale along K (int8: K for per-channel, or e.g. 32)
+  int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
+};
+
+struct AttentionParams {
+  const float* q;        // [B, S, H, D] fp32, rotated
+  const void* k;         // [B, Hkv, T, D] fp32 or bf16 (kv_bf16)
+  const void* v;         // [B, Hkv, T, D]
+  const float* mask;     // [B, S, T] additive fp32 (<= -1e30: masked out), or null (causal)
+  float* out;            // [B, S, H, D]
+  int64_t B, S, H, Hkv, T, D;
+  float scale;
+  bool kv_bf16;
+};
+
+// Scratch a call needs per thread, in floats.
+inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (((p.K + 15) / 16) * 16 + 16); }
+inline int64_t attention_scratch_floats(const AttentionParams& p) { return 2 * (p.T + 16) + p.D + 16; }
+
+}  // namespace selfspec_kernels

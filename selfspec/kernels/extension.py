@@ -1,0 +1,131 @@
+"""Build the C++ kernels once per machine and load them; None, with one warning, where they can't.
+
+The sources in ``csrc/`` are compiled by torch's ``cpp_extension`` (with ``ninja``) into the
+cache (``$SELFSPEC_CACHE/kernels``), keyed by the sources, torch and Python versions: about a
+minute the first time, an import afterwards. ``scripts/setup.sh`` builds them as part of the
+install (``python -m selfspec.kernels.extension``). Nothing is built when ``selfspec`` is
+imported, and a failed build never breaks an import: the callers fall back to pure torch.
+
+Environment: ``SELFSPEC_KERNELS=torch`` never loads the extension (the pure-torch fallback, for
+comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from selfspec.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
+HEADERS = ("params.h", "body.h", "vec_avx512.h", "vec_avx2.h")
+# -ffp-contract=off: no multiply-add fused behind our back, so every rounding is the one written.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+ISA_ENV = "SELFSPEC_KERNEL_ISA"
+BACKEND_ENV = "SELFSPEC_KERNELS"
+ISAS = ("auto", "avx512", "avx2")
+
+
+class KernelError(RuntimeError):
+    """The kernels were asked for explicitly and cannot run here; the message says why."""
+
+
+def requested_isa() -> str:
+    """The instruction-set path asked for through ``SELFSPEC_KERNEL_ISA`` ("auto" if unset)."""
+    isa = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if isa not in ISAS:
+        raise KernelError(f"{ISA_ENV}={isa!r} is not one of {ISAS}")
+    return isa
+
+
+def disabled_by_environment() -> bool:
+    return os.environ.get(BACKEND_ENV, "").strip().lower() in ("torch", "off", "0", "false")
+
+
+def build_key() -> str:
+    """Hash of everything the compiled module depends on."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(sys.version.encode())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernels, built on first use; None where they can't be built or run."""
+    if disabled_by_environment():
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _warn_fallback(f"the C++ kernels are written for x86-64, this is {platform.machine()}")
+        return None
+    key = build_key()
+    build_dir = cache_root() / "kernels" / f"small_m-{key}"
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=f"selfspec_small_m_{key}",
+            sources=[str(CSRC / name) for name in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as err:  # a missing compiler or ninja, a compile error: fall back, say so
+        _warn_fallback(f"building them failed: {str(err).strip().splitlines()[-1:]}")
+        return None
+    if not module.supported_isas():
+        _warn_fallback("this CPU has neither AVX2 with FMA nor AVX-512")
+        return None
+    return module
+
+
+def active_isa() -> str | None:
+    """The path the kernels run on here ("avx512" or "avx2"), or None on the torch fallback."""
+    module = load()
+    if module is None:
+        return None
+    isa = requested_isa()
+    supported = list(module.supported_isas())
+    if isa == "auto":
+        return supported[0]
+    if isa not in supported:
+        raise KernelError(f"{ISA_ENV}={isa} asked for, but this CPU runs only {supported}")
+    return isa
+
+
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"selfspec's C++ kernels are not available ({reason}); using the pure-torch fallback, "
+        "which is exact but slower",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def main() -> None:
+    """Build now (``scripts/setup.sh``) rather than on the first generation."""
+    built = load()
+    paths = f"built, paths {built.supported_isas()}" if built else "not built: the torch fallback"
+    print(f"selfspec kernels: {paths}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Linear layers that run through the kernels: ``KernelLinear``, installed on a loaded target.
+
+``install_kernels`` turns every plain ``nn.Linear`` of a model into a ``KernelLinear`` holding its
+weight in one of the kernel formats (``selfspec.kernels.weights``). A ``KernelLinear`` *is* an
+``nn.Linear`` with its dense weight kept (peft wraps it, the LoRA bank hooks it, ``state_dict``
+and the fingerprint see the same Parameter, training runs ``F.linear`` on it); only its no-grad
+CPU forward changes: activations go through the kernel in fp32, the result comes back in the
+input's dtype. LoRA deltas, applied by peft or the LoRA bank on top of the layer's output, stay
+in their own dtype.
+
+Modes (what ``TargetSpec.dtype`` names):
+
+- ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32.
+- ``int8``: per-output-channel int8 codes (weight-only; activations stay fp32).
+- ``int4``: Q4_1 blocks (4-bit codes, scale and minimum per 32 weights) for every layer but the
+  output layer, which is int8 with a scale per 32 weights (as GGUF's Q8_0). From a GGUF file the
+  blocks are the file's own (``selfspec.kernels.gguf``), otherwise a Q4_1 quantization of the
+  dense weights.
+
+A weight replaced or changed in place (a merged adapter) is converted again on the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from selfspec.kernels import extension, ops
+from selfspec.kernels.weights import KernelWeight, dense_weight, quantize_int8, quantize_q4_1
+
+logger = logging.getLogger(__name__)
+
+MODES = ("float32", "bfloat16", "int8", "int4")
+OUTPUT_GROUP = 32  # int4 mode's output layer: int8 with a scale per 32 weights (GGUF's Q8_0)
+
+
+class KernelLinear(nn.Linear):
+    """An ``nn.Linear`` (made by ``install_kernels``, never constructed directly) whose no-grad
+    CPU forward runs the row-invariant kernel on ``_kernel_weight``."""
+
+    _kernel_weight: KernelWeight
+    _kernel_kind: str  # "dense", "int8", "int8_group", "q4_1": how to convert a changed weight
+    _weight_key: tuple[int, int]
+    _fallback_dense: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            x.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return F.linear(x, weight, self.bias)
+        kernel_weight = self.kernel_weight()
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
+        if extension.load() is not None:
+            bias = None if self.bias is None else self.bias.float()
+            out = ops.linear(rows.float().contiguous(), kernel_weight, bias)
+        else:
+            out = ops.linear_fallback(rows.to(self._dense().dtype), self._dense(), self.bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def kernel_weight(self) -> KernelWeight:
+        """The weight in kernel form, converted again if the dense weight changed since."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version)
+        if key != self._weight_key:
+            logger.info("weight of %s changed: converting it again (%s)", self, self._kernel_kind)
+            self._kernel_weight = _convert(weight, self._kernel_kind)
+            self._weight_key = key
+            self._fallback_dense = None
+        return self._kernel_weight
+
+    def _dense(self) -> torch.Tensor:
+        """The kernel weight, dequantized once, for the pure-torch fallback. # [N, K]"""
+        if self._fallback_dense is None:
+            self._fallback_dense = self.kernel_weight().dequantized()
+        return self._fallback_dense
+
+
+def _convert(weight: torch.Tensor, kind: str) -> KernelWeight:
+    if kind == "dense":
+        return dense_weight(weight)
+    if kind == "int8":
+        return quantize_int8(weight)
+    if kind == "int8_group":
+        return quantize_int8(weight, OUTPUT_GROUP)
+    return quantize_q4_1(weight)
+
+
+def install_kernels(
+    model: nn.Module,
+    mode: str,
+    output_layer: nn.Module | None = None,
+    given: Mapping[nn.Module, KernelWeight] | None = None,
+) -> int:
+    """Turn every plain ``nn.Linear`` under ``model`` into a ``KernelLinear`` in ``mode`` (one of
+    ``MODES``). ``output_layer``: the layer int4 mode keeps at 8 bits. ``given``: kernel weights
+    to use as they are for some layers (a GGUF file's own blocks). Returns how many."""
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    given = given or {}
+    count = 0
+    for sub in list(model.modules()):
+        if type(sub) is not nn.Linear or sub.weight.device.type != "cpu":
+            continue
+        kind = _kind_for(sub, mode, sub is output_layer)
+        kernel_weight = given.get(sub)
+        if kernel_weight is None:
+            if kind == "dense" and sub.weight.dtype != _dense_dtype(mode):
+                raise ValueError(
+                    f"{mode} kernels need {_dense_dtype(mode)} weights, got {sub.weight.dtype}"
+                )
+            kernel_weight = _convert(sub.weight, kind)
+        sub.__class__ = KernelLinear
+        sub._kernel_weight = kernel_weight
+        sub._kernel_kind = kind
+        sub._weight_key = (sub.weight.data_ptr(), sub.weight._version)
+        sub._fallback_dense = None
+        count += 1
+    return count
+
+
+def _dense_dtype(mode: str) -> torch.dtype:
+    return torch.bfloat16 if mode == "bfloat16" else torch.float32
+
+
+def _kind_for(layer: nn.Linear, mode: str, is_output: bool) -> str:
+    if mode in ("float32", "bfloat16"):
+        return "dense"
+    if mode == "int8":
+        return "int8"
+    if is_output:
+        return "int8_group" if layer.in_features % OUTPUT_GROUP == 0 else "int8"
+    if layer.in_features % 32:
+        logger.warning(
+            "%s: %d inputs is not a multiple of 32; int8 instead of 4-bit", layer, layer.in_features
+        )
+        return "int8"
+    return "q4_1"
+
+
+def uses_kernels(module: nn.Module) -> bool:
+    """Whether any linear layer under ``module`` runs through the kernels."""
+    return any(type(sub) is KernelLinear for sub in module.modules())
+
+
+def kernel_mode_of(module: nn.Module) -> str | None:
+    """A short description of the kernel formats under ``module`` (for cache keys), or None."""
+    kinds = sorted(
+        {sub._kernel_weight.format for sub in module.modules() if type(sub) is KernelLinear}
+    )
+    return "+".join(kinds) if kinds else None
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of kernel weights a forward of ``module`` streams."""
+    return sum(sub._kernel_weight.nbytes for sub in module.modules() if type(sub) is KernelLinear)

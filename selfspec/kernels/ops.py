@@ -1,0 +1,116 @@
+"""The two kernel calls, each with its pure-torch fallback.
+
+``linear`` and ``attention`` run the C++ kernels where they are built (``extension.load()``),
+else pure torch. Both paths are row-invariant, each by its own construction: the C++ kernels by
+a fixed reduction order per output element (see ``csrc/body.h``), the fallback by computing
+each row alone, as a one-row call (up to ``FALLBACK_ROW_LIMIT`` rows, i.e. any verification; a
+longer call, a prompt's prefill, runs as one matrix product). The two paths round differently
+from each other: a process uses one of them throughout, so speculative and plain decoding agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from selfspec.kernels import extension
+from selfspec.kernels.weights import KernelWeight
+
+FALLBACK_ROW_LIMIT = 64
+MASKED = -1.0e30  # additive mask values at or below this are masked out
+
+
+def kernel_isa() -> str:
+    """Which path runs here: "avx512", "avx2" (the C++ kernels) or "torch" (the fallback)."""
+    return extension.active_isa() or "torch"
+
+
+def linear(
+    x: torch.Tensor,  # [M, K] float32, contiguous
+    weight: KernelWeight,
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` through the C++ kernel. # [M, N] float32"""
+    module = extension.load()
+    if module is None:
+        raise extension.KernelError("the C++ kernels are not built here; use linear_fallback")
+    return module.linear(
+        x,
+        weight.code,
+        weight.data,
+        weight.scale,
+        weight.minimum,
+        bias,
+        weight.group or weight.in_features,
+        extension.requested_isa(),
+    )
+
+
+def linear_fallback(
+    x: torch.Tensor,  # [M, K]
+    dense: torch.Tensor,  # [N, K], the dequantized weight, x's dtype
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Row by row, each row computed as a one-row product (row-invariant). # [M, N]"""
+    rows = x.shape[0]
+    if rows == 1 or rows > FALLBACK_ROW_LIMIT:
+        return F.linear(x, dense, bias)
+    return torch.cat([F.linear(x[i : i + 1], dense, bias) for i in range(rows)])
+
+
+def attention(
+    query: torch.Tensor,  # [B, S, H, D]
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    mask: torch.Tensor | None,  # [B, S, T] additive float32, or None: causal over the cache
+    scale: float,
+) -> torch.Tensor:
+    """Attention of each query row over the keys its mask allows, in a fixed order per row (a
+    masked key changes nothing, not even a rounding). # [B, S, H, D], query's dtype"""
+    module = extension.load()
+    if module is None:
+        return attention_fallback(query, key, value, mask, scale)
+    kv_dtype = torch.bfloat16 if key.dtype == torch.bfloat16 else torch.float32
+    out = module.attention(
+        query.float().contiguous(),
+        key.to(kv_dtype).contiguous(),
+        value.to(kv_dtype).contiguous(),
+        None if mask is None else mask.float().contiguous(),
+        float(scale),
+        extension.requested_isa(),
+    )
+    return out.to(query.dtype)
+
+
+def attention_fallback(
+    query: torch.Tensor,  # [B, S, H, D]
+    key: torch.Tensor,  # [B, Hkv, T, D]
+    value: torch.Tensor,  # [B, Hkv, T, D]
+    mask: torch.Tensor | None,  # [B, S, T] or None (causal)
+    scale: float,
+) -> torch.Tensor:
+    """Pure torch: each query row alone over its allowed keys, gathered in key order, in fp32.
+    # [B, S, H, D]"""
+    batch, length, heads, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    out = torch.empty(batch, length, heads, dim, dtype=torch.float32)
+    for b in range(batch):
+        for s in range(length):
+            if mask is None:
+                allowed = torch.arange(total - length + s + 1)
+                bias = None
+            else:
+                allowed = (mask[b, s] > MASKED).nonzero().flatten()
+                bias = mask[b, s, allowed].float()  # [n]
+            if allowed.numel() == 0:
+                out[b, s] = 0.0
+                continue
+            keys = key[b][:, allowed].float().repeat_interleave(groups, dim=0)  # [H, n, D]
+            values = value[b][:, allowed].float().repeat_interleave(groups, dim=0)  # [H, n, D]
+            scores = torch.bmm(query[b, s].float()[:, None], keys.transpose(1, 2))[:, 0] * scale
+            if bias is not None:
+                scores = scores + bias  # [H, n]
+            weights = torch.softmax(scores, dim=-1)
+            out[b, s] = torch.bmm(weights[:, None], values)[:, 0]
+    return out.to(query.dtype)

@@ -1,0 +1,161 @@
+"""A linear layer's weight in the form the kernels read: dense fp32 / bf16, int8 or 4-bit (Q4_1).
+
+Formats (``KernelWeight.format``):
+
+- ``float32``, ``bfloat16``: the layer's own weight tensor, read in place (no copy).
+- ``int8``: int8 codes with an fp32 scale per ``group`` weights along a row (``group`` = the row
+  length: per output channel); weight = code * scale.
+- ``q4_1``: GGUF's Q4_1 blocks of 32 weights: 4-bit codes q with an fp32 scale d and minimum m
+  per block (stored as fp16 in a GGUF file, exactly representable in fp32); weight = (q * d) + m,
+  two roundings, exactly as GGUF's reference dequantization computes it.
+
+``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
+``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
+computes with the original quantized weights, not a re-quantization of their fp32 copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = ("float32", "bfloat16", "int8", "q4_1")
+FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3}
+Q4_BLOCK = 32
+
+
+@dataclass(frozen=True, eq=False)
+class KernelWeight:
+    """One linear layer's weight [out_features, in_features] as the kernels read it."""
+
+    format: str
+    """One of ``FORMATS``."""
+    data: torch.Tensor
+    """float32 / bfloat16 / int8 [N, K], or uint8 [N, K / 32, 16] nibbles for q4_1."""
+    out_features: int
+    in_features: int
+    scale: torch.Tensor | None = None
+    """float32 [N, groups] (int8) or [N, K / 32] (q4_1)."""
+    minimum: torch.Tensor | None = None
+    """float32 [N, K / 32] (q4_1)."""
+    group: int = 0
+    """Weights per scale along a row (int8: ``in_features`` for per-channel; q4_1: 32)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"KernelWeight.format must be one of {FORMATS}, got {self.format!r}")
+        n, k = self.out_features, self.in_features
+        expected = {
+            "float32": (torch.float32, (n, k)),
+            "bfloat16": (torch.bfloat16, (n, k)),
+            "int8": (torch.int8, (n, k)),
+            "q4_1": (torch.uint8, (n, k // Q4_BLOCK, 16)),
+        }[self.format]
+        if self.data.dtype != expected[0] or tuple(self.data.shape) != expected[1]:
+            raise ValueError(
+                f"{self.format} weight data must be {expected[0]} {list(expected[1])}, got "
+                f"{self.data.dtype} {list(self.data.shape)}"
+            )
+        if self.format == "q4_1" and k % Q4_BLOCK:
+            raise ValueError(f"q4_1 needs in_features divisible by 32, got {k}")
+        if self.format == "int8":
+            if not (self.group >= k or (self.group >= 16 and self.group & (self.group - 1) == 0)):
+                raise ValueError(
+                    f"int8 group must be in_features or a power of two >= 16, got {self.group}"
+                )
+            groups = 1 if self.group >= k else -(-k // self.group)
+            _check_table(self.scale, (n, groups), "int8 scale")
+        if self.format == "q4_1":
+            if self.group != Q4_BLOCK:
+                raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
+            _check_table(self.scale, (n, k // Q4_BLOCK), "q4_1 scale")
+            _check_table(self.minimum, (n, k // Q4_BLOCK), "q4_1 min")
+
+    @property
+    def code(self) -> int:
+        return FORMAT_CODES[self.format]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward streams for this weight."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.data, self.scale, self.minimum)
+            if t is not None
+        )
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernels see it, dense. # [N, K] float32 (bfloat16 stays bfloat16)"""
+        if self.format in ("float32", "bfloat16"):
+            return self.data
+        if self.format == "int8":
+            scale = self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
+            return self.data.float() * scale
+        low = (self.data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
+        high = (self.data >> 4).float()  # elements 16-31
+        codes = torch.cat((low, high), dim=-1)  # [N, blocks, 32]
+        dense = (codes * self.scale[..., None]) + self.minimum[..., None]
+        return dense.reshape(self.out_features, self.in_features)
+
+
+def _check_table(table: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:
+    if table is None or table.dtype != torch.float32 or tuple(table.shape) != shape:
+        got = "nothing" if table is None else f"{table.dtype} {list(table.shape)}"
+        raise ValueError(f"{what} must be float32 {list(shape)}, got {got}")
+
+
+def dense_weight(weight: torch.Tensor) -> KernelWeight:
+    """A float32 or bfloat16 weight, read in place. # [N, K]"""
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(weight.dtype)
+    if name is None:
+        raise ValueError(f"dense kernel weights are float32 or bfloat16, got {weight.dtype}")
+    n, k = weight.shape
+    return KernelWeight(name, weight.detach().contiguous(), int(n), int(k))
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> KernelWeight:
+    """Symmetric int8: scale = max |w| / 127 per ``group`` weights of a row (default: the whole
+    row, i.e. per output channel); code = round(w / scale). # [N, K] -> int8 [N, K]"""
+    n, k = weight.shape
+    group = k if group is None else group
+    dense = weight.detach().float()
+    padded = -(-k // group) * group
+    blocks = torch.nn.functional.pad(dense, (0, padded - k)).view(n, -1, group)
+    scale = blocks.abs().amax(dim=-1) / 127.0  # [N, groups]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(blocks / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return KernelWeight(
+        "int8",
+        codes.view(n, padded)[:, :k].contiguous(),
+        int(n),
+        int(k),
+        scale=scale.contiguous(),
+        group=group,
+    )
+
+
+def quantize_q4_1(weight: torch.Tensor) -> KernelWeight:
+    """Q4_1 of a dense weight: per block of 32, d = (max - min) / 15, m = min (both rounded to
+    fp16, as a GGUF file stores them), code = round((w - m) / d) in 0..15. # [N, K]"""
+    n, k = weight.shape
+    if k % Q4_BLOCK:
+        raise ValueError(f"q4_1 needs in_features divisible by 32, got {k}")
+    blocks = weight.detach().float().view(n, k // Q4_BLOCK, Q4_BLOCK)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    scale = ((high - low) / 15).half().float()
+    minimum = low.half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (
+        torch.round((blocks - minimum[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+    )
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [N, blocks, 16]
+    return KernelWeight(
+        "q4_1",
+        packed.contiguous(),
+        int(n),
+        int(k),
+        scale=scale.contiguous(),
+        minimum=minimum.contiguous(),
+        group=Q4_BLOCK,
+    )
