@@ -51,11 +51,14 @@ def linear_fallback(
     dense: torch.Tensor,  # [N, K], the dequantized weight, x's dtype
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """Row by row, each row computed as a one-row product (row-invariant). # [M, N]"""
+    """Row by row, each row computed as a one-row product (row-invariant). # [M, N]
+
+    Each row is copied to fresh (aligned) memory first: BLAS kernels take different paths, and
+    round differently, for a row that starts at another alignment."""
     rows = x.shape[0]
-    if rows == 1 or rows > FALLBACK_ROW_LIMIT:
+    if rows > FALLBACK_ROW_LIMIT:
         return F.linear(x, dense, bias)
-    return torch.cat([F.linear(x[i : i + 1], dense, bias) for i in range(rows)])
+    return torch.cat([F.linear(x[i : i + 1].clone(), dense, bias) for i in range(rows)])
 
 
 def attention(
@@ -108,7 +111,8 @@ def attention_fallback(
                 continue
             keys = key[b][:, allowed].float().repeat_interleave(groups, dim=0)  # [H, n, D]
             values = value[b][:, allowed].float().repeat_interleave(groups, dim=0)  # [H, n, D]
-            scores = torch.bmm(query[b, s].float()[:, None], keys.transpose(1, 2))[:, 0] * scale
+            row = query[b, s].to(torch.float32, copy=True)  # [H, D], fresh aligned memory
+            scores = torch.bmm(row[:, None], keys.transpose(1, 2))[:, 0] * scale
             if bias is not None:
                 scores = scores + bias  # [H, n]
             weights = torch.softmax(scores, dim=-1)

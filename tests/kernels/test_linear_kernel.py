@@ -1,0 +1,169 @@
+"""The small-M linear kernel: row invariance (bitwise), accuracy against torch, both C++ paths
+and the fallback, every weight format, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cpp_paths
+
+from selfspec.kernels import extension, ops
+from selfspec.kernels.modules import KernelLinear, install_kernels
+from selfspec.kernels.weights import (
+    KernelWeight,
+    dense_weight,
+    quantize_int8,
+    quantize_q4_1,
+)
+
+SHAPES = [(64, 32), (37, 19), (96, 130), (576, 24)]  # (in K, out N): tails in K and in N
+FORMATS = ["float32", "bfloat16", "int8", "int8_g32", "q4_1"]
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if fmt == "float32":
+        return dense_weight(dense)
+    if fmt == "bfloat16":
+        return dense_weight(dense.bfloat16())
+    if fmt == "int8":
+        return quantize_int8(dense)
+    if fmt == "int8_g32":
+        return quantize_int8(dense, 32)
+    return quantize_q4_1(dense)
+
+
+def run(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The active path: the C++ kernel, or the fallback on the dequantized weight."""
+    if extension.load() is None:
+        dense = weight.dequantized()
+        out = ops.linear_fallback(
+            x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)
+        )
+        return out.float()
+    return ops.linear(x, weight, bias)
+
+
+def supported(fmt: str, k: int) -> bool:
+    return not ((fmt == "q4_1" and k % 32) or (fmt == "int8_g32" and k < 32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("k", "n"), SHAPES)
+def test_a_row_is_the_same_whatever_shares_the_call(
+    kernel_path: str, fmt: str, k: int, n: int
+) -> None:
+    if not supported(fmt, k):
+        pytest.skip(f"{fmt} needs K divisible by 32")
+    weight = make_weight(fmt, n, k)
+    generator = torch.Generator().manual_seed(k * n)
+    bias = torch.randn(n, generator=generator) if k == 96 else None
+    for rows in (64, 17, 5, 3):
+        x = torch.randn(rows, k, generator=generator) * torch.logspace(-2, 2, k)
+        together = run(x, weight, bias)  # [rows, N]
+        for i in range(rows):
+            alone = run(x[i : i + 1].contiguous(), weight, bias)
+            assert torch.equal(alone[0], together[i]), f"row {i} of {rows}"
+        # Any sub-batch, in another order, too.
+        order = torch.randperm(rows, generator=generator)[: max(1, rows // 2)]
+        assert torch.equal(run(x[order].contiguous(), weight, bias), together[order])
+        dense = weight.dequantized().float()
+        # The fallback runs bf16 in bf16 (inputs rounded, bf16 results); the kernel sums in fp32.
+        low_precision = kernel_path == "torch" and fmt == "bfloat16"
+        inputs = x.bfloat16().float() if low_precision else x
+        expected = inputs @ dense.T + (0 if bias is None else bias)
+        bound = (inputs.abs() @ dense.abs().T).max().item()  # size of the sums' terms
+        tolerance = (1e-2 if low_precision else 1e-6) * bound
+        torch.testing.assert_close(together, expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.skipif(len(cpp_paths()) < 2, reason="needs both C++ paths on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_avx2_and_avx512_paths_give_the_same_bits(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = make_weight(fmt, 70, 96)
+    x = torch.randn(9, 96)
+    results = []
+    for isa in ("avx512", "avx2"):
+        monkeypatch.setenv(extension.ISA_ENV, isa)
+        results.append(ops.linear(x, weight))
+    assert torch.equal(results[0], results[1])
+
+
+def test_q4_1_dequantizes_as_gguf_does() -> None:
+    """(q * d) + m in fp32 with two roundings, GGUF's reference formula (gguf-py)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    weight = quantize_q4_1(torch.randn(8, 64))
+    blocks = torch.cat(
+        (
+            weight.scale.half().view(torch.uint8).view(8, 2, 2),
+            weight.minimum.half().view(torch.uint8).view(8, 2, 2),
+            weight.data,
+        ),
+        dim=-1,
+    )  # [N, K / 32, 20]: GGUF's Q4_1 block layout
+    reference = dequantize(blocks.reshape(8, 40).numpy(), GGMLQuantizationType.Q4_1)
+    assert torch.equal(weight.dequantized(), torch.from_numpy(reference))
+    if extension.load() is not None:  # and the kernel computes with exactly those weights
+        x = torch.zeros(1, 64)
+        for j in range(64):
+            x.zero_()
+            x[0, j] = 1.0
+            assert torch.equal(ops.linear(x, weight)[0], weight.dequantized()[:, j])
+
+
+def test_kernel_linear_module_keeps_training_and_peft_paths(kernel_path: str) -> None:
+    layer = torch.nn.Linear(64, 16)
+    reference = torch.nn.Linear(64, 16)
+    reference.load_state_dict(layer.state_dict())
+    assert install_kernels(torch.nn.Sequential(layer), "float32") == 1
+    assert type(layer) is KernelLinear and isinstance(layer, torch.nn.Linear)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)
+    # With autograd it is F.linear on the dense weight (training, recalibration).
+    x.requires_grad_(True)
+    assert torch.equal(layer(x), reference(x))
+    # A weight changed in place is converted again.
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        reference.weight.mul_(2)
+        torch.testing.assert_close(layer(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: KernelWeight("int3", torch.zeros(2, 2), 2, 2), "format must be one of"),
+        (lambda: KernelWeight("float32", torch.zeros(2, 3), 2, 2), "must be torch.float32"),
+        (lambda: quantize_q4_1(torch.zeros(4, 20)), "divisible by 32"),
+        (lambda: quantize_int8(torch.zeros(4, 64), 24), "power of two"),
+        (lambda: dense_weight(torch.zeros(2, 2, dtype=torch.float16)), "float32 or bfloat16"),
+    ],
+)
+def test_bad_weights_are_clear_errors(make, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+def test_the_extension_checks_its_arguments() -> None:
+    module = extension.load()
+    with pytest.raises(RuntimeError, match="2-D float32"):
+        module.linear(
+            torch.zeros(2, 4, dtype=torch.float64),
+            0,
+            torch.zeros(3, 4),
+            None,
+            None,
+            None,
+            4,
+            "auto",
+        )
+    with pytest.raises(RuntimeError, match=r"\[N, 4\]"):
+        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 5), None, None, None, 4, "auto")
+    with pytest.raises(RuntimeError, match="unknown instruction set"):
+        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 4), None, None, None, 4, "sse9")
