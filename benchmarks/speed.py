@@ -4,16 +4,18 @@ Every method runs on every prompt, prompt-major (prompt 1 through all methods, t
 so background noise on a shared machine spreads over all of them alike. Reported per method:
 tokens/s (new tokens over the whole generate call, prefill included, for every method alike), τ,
 speedup over the faster vanilla HF baseline (fp32 or bf16) and over HF prompt-lookup decoding
-(the faster dtype), and how many outputs equal vanilla greedy in the same dtype. HF's rows run
-the model as HF ships it; selfspec's run packed linear weights where `TargetSpec` packs them
-(bf16 by default, `--packed-weights`) and the lean decoder body (`selfspec.lean_body`, same
-bits as HF's); extra vanilla rows over HF's body, unpacked and packed, show what each gives.
+(the faster dtype), and how many outputs equal selfspec's vanilla greedy in the same mode
+(llama.cpp's: in float32, the exact model of the same file). HF's rows run the model as HF
+ships it; selfspec's run the row-invariant kernels (`selfspec.kernels`, `--kernels`) in every
+mode given to `--dtypes` (float32, bfloat16, int8, int4); in float32 and bfloat16 two extra
+vanilla rows show the engine's layers: selfspec's loop over HF's body, then over its lean body
+with torch's ops (bf16: packed weights). `--llama-cpp` adds llama.cpp on the same GGUF file.
 
     .venv/bin/python benchmarks/speed.py --num-prompts 8 --max-new-tokens 96 --out runs/speed
 
-Greedy, batch 1. In fp32, speculative output equals vanilla token for token. In bf16 the two
-forward shapes (1 token vs a tree) round differently, so near-ties (top-2 logits within bf16
-rounding) can flip: the `equal` column counts them instead of hiding them.
+Greedy, batch 1. With the kernels, speculative output equals vanilla token for token in every
+mode: every op computes a token the same whatever shares its forward. The `equal` column checks
+it on every prompt.
 """
 
 from __future__ import annotations
@@ -32,15 +34,24 @@ import torch
 from tqdm import tqdm
 
 from selfspec.atomic import write_text_atomic
-from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_model
+from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_flags, cpu_model
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.shipped import resolve_heads_dir
-from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, cache_root, load_target
+from selfspec.target import (
+    LoadedTarget,
+    TargetSpec,
+    apply_chat_template,
+    cache_root,
+    default_gguf_path,
+    load_target,
+)
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, TreeSpec, parse_tree_spec
 
 PACKING = {"auto": None, "on": True, "off": False}
+KERNELS = {"auto": None, "on": True, "off": False}
+HF_DTYPES = ("float32", "bfloat16")  # the modes transformers runs itself
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 
 
@@ -48,12 +59,13 @@ HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_held
 class Method:
     name: str
     dtype: str
-    run: Callable[[list[int]], tuple[list[int], float]]
-    """prompt ids -> (new token ids, τ)"""
+    run: Callable[[list[int]], tuple[list[int], float, float]]
+    """prompt ids -> (new token ids, τ, mean tree tokens per verification forward)"""
     kind: str  # "hf", "lookup", "vanilla", "speculative"
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
+    tree_sizes: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -72,7 +84,7 @@ def hf_generate(target: LoadedTarget, max_new: int, lookup: int = 0) -> Callable
                 pad_token_id=target.tokenizer.eos_token_id,
                 **extra,
             )
-        return out[0, len(prompt) :].tolist(), float("nan")
+        return out[0, len(prompt) :].tolist(), float("nan"), float("nan")
 
     return run
 
@@ -84,7 +96,35 @@ def selfspec_generate(
 
     def run(prompt: list[int]) -> tuple[list[int], float]:
         result = generator.generate(prompt, config)
-        return result.token_ids, result.stats.tau
+        steps = result.stats.steps
+        size = statistics.mean(s.tree_size for s in steps) if steps else float("nan")
+        return result.token_ids, result.stats.tau, size
+
+    return run
+
+
+def llama_cpp_generate(max_new: int, threads: int | None) -> Callable:
+    """llama.cpp (``llama-cpp-python``) on the same GGUF file, greedy, the same threads: the CPU
+    anchor. Stops at EOS (kept, as selfspec keeps it) or after ``max_new`` tokens."""
+    from llama_cpp import Llama
+
+    threads = threads or torch.get_num_threads()
+    model = Llama(
+        model_path=str(default_gguf_path()),
+        n_ctx=2048,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    eos = model.token_eos()
+
+    def run(prompt: list[int]) -> tuple[list[int], float]:
+        tokens: list[int] = []
+        for token in model.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(token))
+            if token == eos or len(tokens) >= max_new:
+                break
+        return tokens, float("nan"), float("nan")
 
     return run
 
@@ -96,34 +136,44 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
     packing = PACKING[args.packed_weights]
     n = args.max_new_tokens
     for dtype in args.dtypes:
-        # HF's baselines run the model as HF ships it: never with selfspec's packed weights.
-        plain = load_target(TargetSpec(dtype=dtype, threads=args.threads, packed_weights=False))
-        spec = TargetSpec(dtype=dtype, threads=args.threads, packed_weights=packing)
-        target = load_target(spec) if spec.wants_packing() else plain
-        curve = cached_cost_curve(TargetForward(target.model), cache_root())
-        curves[dtype] = curve
-        methods.append(Method("HF generate", dtype, hf_generate(plain, n), "hf"))
-        methods.append(
-            Method(
-                f"HF prompt lookup ({args.lookup})",
-                dtype,
-                hf_generate(plain, n, args.lookup),
-                "lookup",
+        spec = TargetSpec(dtype=dtype, threads=args.threads, kernels=KERNELS[args.kernels])
+        target = load_target(spec)
+        if dtype in HF_DTYPES:
+            # HF's baselines run the model as HF ships it: its own ops, unpacked weights.
+            plain = load_target(
+                TargetSpec(dtype=dtype, threads=args.threads, kernels=False, packed_weights=False)
             )
-        )
-        # What each engine layer gives, one at a time: selfspec's loop over HF's body as shipped,
-        # then with packed weights, then (the "selfspec vanilla" row) with the lean body too.
-        engine = [("HF body, unpacked weights", plain)] if target is not plain else []
-        for label, loaded in [*engine, ("HF body", target)]:
-            hf_body = SpeculativeGenerator(loaded.model, None, loaded.tokenizer, lean_body=False)
+            methods.append(Method("HF generate", dtype, hf_generate(plain, n), "hf"))
             methods.append(
                 Method(
-                    f"selfspec vanilla, {label}",
+                    f"HF prompt lookup ({args.lookup})",
                     dtype,
-                    selfspec_generate(hf_body, n, False, None),
-                    "vanilla-engine",
+                    hf_generate(plain, n, args.lookup),
+                    "lookup",
                 )
             )
+            # What each engine layer gives: selfspec's loop over HF's body as shipped, then
+            # with torch's ops in the lean body (bf16: packed), then ("selfspec vanilla") the
+            # row-invariant kernels.
+            torch_ops = load_target(
+                TargetSpec(dtype=dtype, threads=args.threads, kernels=False, packed_weights=packing)
+            )
+            engine = [
+                (
+                    "HF body",
+                    SpeculativeGenerator(plain.model, None, plain.tokenizer, lean_body=False),
+                ),
+                ("torch ops", SpeculativeGenerator(torch_ops.model, None, torch_ops.tokenizer)),
+            ]
+            if spec.kernels is False:
+                engine = engine[:1]
+            for label, generator in engine:
+                runner = selfspec_generate(generator, n, False, None)
+                methods.append(
+                    Method(f"selfspec vanilla, {label}", dtype, runner, "vanilla-engine")
+                )
+        curve = cached_cost_curve(TargetForward(target.model), cache_root())
+        curves[dtype] = curve
         vanilla = SpeculativeGenerator(target.model, None, target.tokenizer)
         methods.append(
             Method("selfspec vanilla", dtype, selfspec_generate(vanilla, n, False, None), "vanilla")
@@ -142,6 +192,9 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
                 methods.append(
                     Method(f"selfspec {label} {tree_name}", dtype, runner, "speculative")
                 )
+    if args.llama_cpp:
+        runner = llama_cpp_generate(n, args.threads)
+        methods.append(Method("llama.cpp (same GGUF file)", "gguf", runner, "llama.cpp"))
     return methods, curves
 
 
@@ -180,6 +233,18 @@ def main() -> int:
         help="selfspec's targets: oneDNN-packed linear weights (auto: in bfloat16); HF's "
         "baselines always run unpacked. When packed, an unpacked vanilla row (HF body) is added",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=sorted(KERNELS),
+        default="auto",
+        help="selfspec's targets: the row-invariant kernels (auto: C++ where built, else the "
+        "torch fallback; off: transformers' ops, float32/bfloat16 only)",
+    )
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="add llama.cpp on the same GGUF file (needs `pip install llama-cpp-python`)",
+    )
     parser.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--out", type=Path, default=Path("runs/speed"))
     args = parser.parse_args()
@@ -196,10 +261,11 @@ def main() -> int:
         for ids in prompt_ids:
             for method in methods:
                 started = time.perf_counter()
-                tokens, tau = method.run(ids)
+                tokens, tau, tree_size = method.run(ids)
                 method.seconds.append(time.perf_counter() - started)
                 method.tokens.append(len(tokens))
                 method.taus.append(tau)
+                method.tree_sizes.append(tree_size)
                 method.outputs.append(tokens)
                 bar.update()
     report = summarise(methods, curves, args, prompts)
@@ -221,15 +287,20 @@ def summarise(
     vanilla = {m.dtype: m for m in methods if m.kind == "vanilla"}
     rows = []
     for m in methods:
-        reference = vanilla[m.dtype].outputs
+        # llama.cpp is compared with selfspec's float32 vanilla: the same file's exact model.
+        reference = vanilla.get(
+            m.dtype, vanilla.get("float32", next(iter(vanilla.values())))
+        ).outputs
         equal = sum(out == ref for out, ref in zip(m.outputs, reference, strict=True))
         taus = [t for t in m.taus if t == t]
+        sizes = [t for t in m.tree_sizes if t == t]
         rows.append(
             {
                 "method": m.name,
                 "dtype": m.dtype,
                 "tokens_per_second": round(rate(m), 2),
                 "tau": round(statistics.mean(taus), 2) if taus else None,
+                "mean_tree_tokens": round(statistics.mean(sizes), 1) if sizes else None,
                 "speedup_vs_hf": round(rate(m) / rate(baseline), 2),
                 "speedup_vs_lookup": round(rate(m) / rate(lookup), 2),
                 "equal_to_vanilla": f"{equal}/{len(reference)}",
@@ -240,6 +311,7 @@ def summarise(
     return {
         "machine": {
             "cpu": cpu_model(),
+            "flags": cpu_flags(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -258,17 +330,19 @@ def markdown(report: dict) -> str:
     machine = report["machine"]
     lines = [
         f"Speed, greedy, batch 1: {report['prompts']} held-out prompts x "
-        f"{report['max_new_tokens']} new tokens; {machine['cpu']}, {machine['threads']} threads, "
+        f"{report['max_new_tokens']} new tokens; {machine['cpu']} "
+        f"({' '.join(machine.get('flags', []))}), {machine['threads']} threads, "
         f"torch {machine['torch']}, "
         f"{report['date']}. Baselines: {report['baseline']}, {report['lookup_baseline']}.",
         "",
-        "| method | dtype | tok/s | τ | × HF | × lookup | equal to vanilla |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| method | mode | tok/s | τ | tree tokens | × HF | × lookup | equal to vanilla |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        size = "" if r.get("mean_tree_tokens") is None else f"{r['mean_tree_tokens']:.1f}"
         lines.append(
-            f"| {r['method']} | {r['dtype']} | {r['tokens_per_second']:.1f} | {tau} | "
+            f"| {r['method']} | {r['dtype']} | {r['tokens_per_second']:.1f} | {tau} | {size} | "
             f"{r['speedup_vs_hf']:.2f} | {r['speedup_vs_lookup']:.2f} | {r['equal_to_vanilla']} |"
         )
     lines.append("")

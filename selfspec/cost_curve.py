@@ -188,6 +188,21 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of the instruction sets that decide CPU decoding speed this CPU has (Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in CPU_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def machine_cost_curve(model: torch.nn.Module) -> CostCurve:
     """This machine's curve for ``model`` in its current dtype and thread count, cached under
     the selfspec cache directory (``$SELFSPEC_CACHE``, else ``~/.cache/selfspec``)."""

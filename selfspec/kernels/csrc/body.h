@@ -9,13 +9,13 @@
 // allows, in key order, so a masked-out key (another tree branch, padding) contributes nothing,
 // not even a rounding: a tree token attends exactly as the same token decoded alone.
 
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+SS_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
 // Linear: y[M, N] = x[M, K] . w[N, K]^T (+ bias)
 
 // Bytes of one stored weight row, for prefetching the next tile while this one computes.
-static inline int64_t row_bytes(const LinearParams& p) {
+SS_INLINE int64_t row_bytes(const LinearParams& p) {
   switch (p.format) {
     case kFloat32: return p.K * 4;
     case kBFloat16: return p.K * 2;
@@ -31,7 +31,7 @@ struct RowRef {
   const float* minimum;
 };
 
-static inline RowRef row_ref(const LinearParams& p, int64_t n) {
+SS_INLINE RowRef row_ref(const LinearParams& p, int64_t n) {
   const char* base = static_cast<const char*>(p.w);
   switch (p.format) {
     case kInt8: {
@@ -47,7 +47,7 @@ static inline RowRef row_ref(const LinearParams& p, int64_t n) {
 // that many (the others 0). Every format's dequantization in one place, so the direct path
 // (few rows) and the scratch path (many rows) compute the same values.
 template <int64_t FORMAT>
-static inline V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t group_shift) {
+SS_INLINE V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t group_shift) {
   if constexpr (FORMAT == kFloat32) {
     const float* src = reinterpret_cast<const float*>(row.data) + k;
     return rest == 16 ? vload(src) : vload_n(src, rest);
@@ -72,7 +72,7 @@ static inline V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t gro
   }
 }
 
-static inline const char* row_start(const LinearParams& p, int64_t n) {
+SS_INLINE const char* row_start(const LinearParams& p, int64_t n) {
   return static_cast<const char*>(p.w) + n * row_bytes(p);
 }
 
@@ -80,36 +80,47 @@ static inline const char* row_start(const LinearParams& p, int64_t n) {
 // the weights come from `load(c, k, rest)`. Prefetches `next[c]` (the next tile's rows,
 // `next_bytes` each) along the way, so memory streams while this tile computes.
 template <int R, int C, typename Load>
-static inline void dot_tile(const float* const* x_rows, Load load, int64_t K,
-                            const char* const* next, int64_t from, int64_t to,
-                            float (*out)[kTileCols]) {
+SS_INLINE void dot_tile(const float* const* x_rows, Load load, int64_t K,
+                        const char* const* next, int64_t from, int64_t to,
+                        float (*out)[kTileCols]) {
   V acc[R][C];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
-  const int64_t steps = (K + 15) / 16;
+  const int64_t full = K / 16, steps = (K + 15) / 16;
   // Cache lines [from, to) of each next row, a few per step.
   const int64_t lines_per_step = (to - from + 64 * steps - 1) / (64 * steps);
   int64_t line = from;
-  int64_t k = 0;
-  for (int64_t step = 0; step < steps; ++step, k += 16) {
-    const int rest = k + 16 <= K ? 16 : static_cast<int>(K - k);
-    for (int64_t i = 0; i < lines_per_step && line < to; ++i, line += 64) {
-      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
-    }
+  // One step of 16 weights per column; `rest` is the constant 16 in the main loop (inlined).
+  auto step = [&](int64_t k, int rest) __attribute__((always_inline)) {
     V w[C];
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) w[c] = load(c, k, rest);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V x = rest == 16 ? vload(x_rows[r] + k) : vload_n(x_rows[r] + k, rest);
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[r][c] = vfma(x, w[c], acc[r][c]);
     }
+  };
+  for (int64_t i = 0; i < full; ++i) {
+    for (int64_t j = 0; j < lines_per_step && line < to; ++j, line += 64) {
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
+    }
+    step(16 * i, 16);
   }
+  if (full < steps) step(16 * full, static_cast<int>(K - 16 * full));
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) out[r][c] = vhsum(acc[r][c]);
 }
 
 // dot_tile for `rows` (1..R) rows, chosen at run time, compiled for each count.
 template <int R, typename Load>
-static inline void dot_rows(int rows, const float* const* x_rows, Load load, int64_t K,
+SS_INLINE void dot_rows(int rows, const float* const* x_rows, Load load, int64_t K,
                             const char* const* next, int64_t from, int64_t to,
                             float (*out)[kTileCols]) {
   if (rows == R) {
@@ -155,8 +166,8 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
       }
       for (int c = columns; c < kTileCols; ++c) dense[c] = dense[columns - 1];
     }
-    auto from_store = [&](int c, int64_t k, int rest) { return weight_chunk<FORMAT>(refs[c], k, rest, shift); };
-    auto from_scratch = [&](int c, int64_t k, int rest) {
+    auto from_store = [&](int c, int64_t k, int rest) __attribute__((always_inline)) { return weight_chunk<FORMAT>(refs[c], k, rest, shift); };
+    auto from_scratch = [&](int c, int64_t k, int rest) __attribute__((always_inline)) {
       return rest == 16 ? vload(dense[c] + k) : vload_n(dense[c] + k, rest);
     };
     // Each tile of rows prefetches its share of the next weight rows' bytes.
@@ -191,13 +202,13 @@ void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float
 // Attention: out[b, s, h] = softmax(q . k^T * scale + mask) . v over the allowed keys
 
 template <bool BF16>
-static inline V load_kv(const void* base, int64_t offset) {
+SS_INLINE V load_kv(const void* base, int64_t offset) {
   if constexpr (BF16) return vload_bf16(static_cast<const uint16_t*>(base) + offset);
   else return vload(static_cast<const float*>(base) + offset);
 }
 
 template <bool BF16>
-static inline V load_kv_n(const void* base, int64_t offset, int n) {
+SS_INLINE V load_kv_n(const void* base, int64_t offset, int n) {
   if constexpr (BF16) {
     alignas(64) uint16_t buffer[16] = {0};
     const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
@@ -210,7 +221,7 @@ static inline V load_kv_n(const void* base, int64_t offset, int n) {
 
 // Lane partial sums of a query row times a key row over D (lane d % 16); vhsum finishes it.
 template <bool BF16>
-static inline V query_key(const float* q, const void* k, int64_t k_offset, int64_t D) {
+SS_INLINE V query_key(const float* q, const void* k, int64_t k_offset, int64_t D) {
   V acc = vzero();
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) acc = vfma(vload(q + d), load_kv<BF16>(k, k_offset + d), acc);
@@ -224,7 +235,7 @@ static inline V query_key(const float* q, const void* k, int64_t k_offset, int64
 // out[0:D] = sum over allowed keys i (in order) of p[i] * v[key i], one fused multiply-add per
 // key and lane; CHUNKS vectors of 16 lanes held in registers.
 template <bool BF16, int CHUNKS>
-static inline void weighted_values(const float* p, const int32_t* keys, int64_t count,
+SS_INLINE void weighted_values(const float* p, const int32_t* keys, int64_t count,
                                    const void* v, int64_t v_base, int64_t D, float* out) {
   V acc[CHUNKS];
   for (int c = 0; c < CHUNKS; ++c) acc[c] = vzero();

@@ -5,6 +5,10 @@
 #pragma once
 #include <cstdint>
 
+// The vector helpers and tile loops must inline: on AVX2 a 16-lane vector is a pair of
+// registers, which a real call would pass through memory.
+#define SS_INLINE static inline __attribute__((always_inline))
+
 namespace selfspec_kernels {
 
 // How a linear layer's weight [N, K] is stored.

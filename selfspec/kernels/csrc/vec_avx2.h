@@ -7,29 +7,29 @@ struct V {
   __m256 lo, hi;
 };
 
-static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
-static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline V vload_n(const float* p, int n) {  // lanes >= n read as 0
+SS_INLINE V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+SS_INLINE V vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+SS_INLINE V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+SS_INLINE V vload_n(const float* p, int n) {  // lanes >= n read as 0
   alignas(32) float buffer[16] = {0};
   for (int i = 0; i < n; ++i) buffer[i] = p[i];
   return vload(buffer);
 }
-static inline void vstore(float* p, V a) {
+SS_INLINE void vstore(float* p, V a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
 }
-static inline V vfma(V a, V b, V c) {
+SS_INLINE V vfma(V a, V b, V c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
-static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-static inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-static inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+SS_INLINE V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+SS_INLINE V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+SS_INLINE V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+SS_INLINE V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+SS_INLINE V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 
 // Same fixed order as the AVX-512 path: lanes i and i+8, then i and i+4, i and i+2, 0 and 1.
-static inline float vhsum(V a) {
+SS_INLINE float vhsum(V a) {
   __m256 s8 = _mm256_add_ps(a.lo, a.hi);
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -38,33 +38,33 @@ static inline float vhsum(V a) {
 }
 
 // out[j] = vhsum(acc[j]) for 16 vectors (the AVX-512 path's butterfly gives the same bits).
-static inline void vhsum16(const V* acc, float* out) {
+SS_INLINE void vhsum16(const V* acc, float* out) {
   for (int j = 0; j < 16; ++j) out[j] = vhsum(acc[j]);
 }
 
-static inline __m256 widen_bf16(__m128i h) {
+SS_INLINE __m256 widen_bf16(__m128i h) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-static inline V vload_bf16(const uint16_t* p) {
+SS_INLINE V vload_bf16(const uint16_t* p) {
   return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-static inline V vload_i8(const int8_t* p) {
+SS_INLINE V vload_i8(const int8_t* p) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
 }
-static inline V widen_u8(__m128i b) {
+SS_INLINE V widen_u8(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
 }
-static inline V vload_q4_half(const uint8_t* p, int64_t half) {
+SS_INLINE V vload_q4_half(const uint8_t* p, int64_t half) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if (half) b = _mm_srli_epi16(b, 4);
   return widen_u8(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
 }
 
-static inline __m256 exp_half(__m256 x) {
+SS_INLINE __m256 exp_half(__m256 x) {
   __m256 c = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -80,7 +80,7 @@ static inline __m256 exp_half(__m256 x) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-static inline V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
+SS_INLINE V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
 
 // 16 registers: 2 x 2 tiles of two-register accumulators, plus weights and one activation.
 constexpr int kTileRows = 2;

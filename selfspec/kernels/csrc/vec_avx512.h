@@ -7,22 +7,22 @@ struct V {
   __m512 v;
 };
 
-static inline V vzero() { return {_mm512_setzero_ps()}; }
-static inline V vset1(float a) { return {_mm512_set1_ps(a)}; }
-static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline V vload_n(const float* p, int n) {  // lanes >= n read as 0
+SS_INLINE V vzero() { return {_mm512_setzero_ps()}; }
+SS_INLINE V vset1(float a) { return {_mm512_set1_ps(a)}; }
+SS_INLINE V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+SS_INLINE V vload_n(const float* p, int n) {  // lanes >= n read as 0
   return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p)};
 }
-static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
-static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
-static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
-static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
-static inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
-static inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+SS_INLINE void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+SS_INLINE V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+SS_INLINE V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+SS_INLINE V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+SS_INLINE V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+SS_INLINE V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+SS_INLINE V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
 
 // Sum of the 16 lanes in one fixed order: lanes i and i+8, then i and i+4, i and i+2, 0 and 1.
-static inline float vhsum(V a) {
+SS_INLINE float vhsum(V a) {
   __m256 lo = _mm512_castps512_ps256(a.v);
   __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
   __m256 s8 = _mm256_add_ps(lo, hi);
@@ -34,7 +34,7 @@ static inline float vhsum(V a) {
 
 // out[j] = vhsum(acc[j]) for 16 vectors, bit for bit (each addition pairs the same two partial
 // sums as vhsum does), in a butterfly of 15 vector additions instead of 16 separate reductions.
-static inline void vhsum16(const V* acc, float* out) {
+SS_INLINE void vhsum16(const V* acc, float* out) {
   __m512 s8[8], s4[4], s2[2];
   for (int j = 0; j < 8; ++j) {  // lanes i + i+8 of keys j and j+8
     s8[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j].v, acc[j + 8].v, 0x44),
@@ -55,17 +55,17 @@ static inline void vhsum16(const V* acc, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s1));
 }
 
-static inline V vload_bf16(const uint16_t* p) {  // 16 bf16 values, exactly widened
+SS_INLINE V vload_bf16(const uint16_t* p) {  // 16 bf16 values, exactly widened
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
-static inline V vload_i8(const int8_t* p) {  // 16 int8 values as floats
+SS_INLINE V vload_i8(const int8_t* p) {  // 16 int8 values as floats
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
 }
 // Half `half` of a Q4_1 block's 32 elements from its 16 nibble bytes: 0 = elements 0-15 (the
 // low nibbles), 1 = elements 16-31 (the high nibbles).
-static inline V vload_q4_half(const uint8_t* p, int64_t half) {
+SS_INLINE V vload_q4_half(const uint8_t* p, int64_t half) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if (half) b = _mm_srli_epi16(b, 4);
   b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
@@ -74,7 +74,7 @@ static inline V vload_q4_half(const uint8_t* p, int64_t half) {
 
 // exp(x) for x <= 0 (clamped at -87): Cody-Waite reduction, degree-6 polynomial, 2^n by exponent
 // bits. The same operations in the same order as vec_avx2.h.
-static inline V vexp_nonpositive(V x) {
+SS_INLINE V vexp_nonpositive(V x) {
   __m512 c = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));
   __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
