@@ -2,12 +2,14 @@
 1..64 tokens, for transformers' own ops and for selfspec's row-invariant kernels in every mode,
 at 1 and 2 threads, in one process. The CPU's flags are printed with the table.
 
-    .venv/bin/python benchmarks/cost_curves.py --out runs/cost-curves
+    .venv/bin/python benchmarks/cost_curves.py --out runs/cost-curves --plot docs/cost_curves.png
 
 Reported per configuration: milliseconds of a 1-token forward, and the cost of each tree size
 relative to it (the issue's targets: 16 tokens <= 1.3x, 64 <= 2.0x); plus each configuration's
-1-token time relative to transformers' fp32 path. "forced avx2" rows run the AVX2 path on this
-CPU (SELFSPEC_KERNEL_ISA=avx2): evidence for AVX2 machines only as far as that goes.
+1-token time relative to transformers' fp32 path. "GGUF blocks": float32 computed from the
+file's own quantized blocks (selfspec's default for a GGUF target; the same bits as dense
+fp32). "forced avx2" rows run the AVX2 path on this CPU (SELFSPEC_KERNEL_ISA=avx2): evidence
+for AVX2 machines only as far as that goes.
 """
 
 from __future__ import annotations
@@ -28,25 +30,26 @@ from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-CONFIGS = {  # name: (dtype, kernels, instruction-set path or None)
-    "torch fp32": ("float32", False, None),
-    "torch bf16 (packed)": ("bfloat16", False, None),
-    "kernels fp32": ("float32", None, None),
-    "kernels bf16": ("bfloat16", None, None),
-    "kernels int8": ("int8", None, None),
-    "kernels int4": ("int4", None, None),
-    "kernels fp32, forced avx2": ("float32", None, "avx2"),
-    "kernels int4, forced avx2": ("int4", None, "avx2"),
+CONFIGS = {  # name: (dtype, kernels, instruction-set path or None, GGUF blocks in float32)
+    "torch fp32": ("float32", False, None, False),
+    "torch bf16 (packed)": ("bfloat16", False, None, False),
+    "kernels fp32, dense": ("float32", None, None, False),
+    "kernels fp32, GGUF blocks": ("float32", None, None, True),
+    "kernels bf16": ("bfloat16", None, None, False),
+    "kernels int8": ("int8", None, None, False),
+    "kernels int4": ("int4", None, None, False),
+    "kernels fp32 dense, forced avx2": ("float32", None, "avx2", False),
+    "kernels int4, forced avx2": ("int4", None, "avx2", False),
 }
 
 
 def measure(name: str, threads: int, repeats: int) -> dict:
-    dtype, kernels, isa = CONFIGS[name]
+    dtype, kernels, isa, blocks = CONFIGS[name]
     if isa is not None:
         os.environ[extension.ISA_ENV] = isa
     try:
         torch.set_num_threads(threads)
-        target = load_target(TargetSpec(dtype=dtype, kernels=kernels))
+        target = load_target(TargetSpec(dtype=dtype, kernels=kernels, gguf_blocks=blocks))
         curve = measure_cost_curve(TargetForward(target.model), SIZES, repeats=repeats)
     finally:
         os.environ.pop(extension.ISA_ENV, None)

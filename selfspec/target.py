@@ -81,6 +81,12 @@ class TargetSpec:
     """CPU threads for torch (`torch.set_num_threads`); None leaves torch's own setting."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: "sdpa" or "eager"; both take 4D tree masks."""
+    gguf_blocks: bool = True
+    """float32 from a GGUF file: run each quantized layer from the file's own blocks (Q4_1,
+    Q8_0), dequantized inside the kernel. The file's fp32 weights *are* those blocks
+    dequantized, so the results are the dense fp32 results bit for bit (checked tensor by
+    tensor at load; a tensor that does not reproduce stays dense), from a fraction of the bytes
+    per forward. False: the dense fp32 weights."""
     packed_weights: bool | None = None
     """Pack the linear weights once for oneDNN (`selfspec.packed_linear`). None: packed in
     bfloat16 where oneDNN runs it (faster, results identical to unpacked), never in float32
@@ -186,7 +192,7 @@ def load_target(spec: TargetSpec) -> LoadedTarget:
     if packed:
         pack_linears(model)
     if spec.kernels is not False:
-        _install_kernels(model, spec.dtype, source)
+        _install_kernels(model, spec, source)
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, source=str(source))
 
 
@@ -205,19 +211,27 @@ def require_kernels() -> None:
         )
 
 
-def _install_kernels(model: PreTrainedModel, dtype: str, source: Path) -> None:
-    """Every linear layer through the kernels; int4 / int8 from a GGUF file's own blocks."""
+def _install_kernels(model: PreTrainedModel, spec: TargetSpec, source: Path) -> None:
+    """Every linear layer through the kernels; from a GGUF file, its own quantized blocks where
+    the mode computes with them (int4, int8; float32 with `gguf_blocks`, exact)."""
     from selfspec.kernels.gguf import Q4_1_TYPE, Q8_0_TYPE, GGUFWeightError, gguf_kernel_weights
     from selfspec.kernels.modules import install_kernels
 
+    types = {
+        "int4": (Q4_1_TYPE, Q8_0_TYPE),
+        "int8": (Q8_0_TYPE,),
+        "float32": (Q4_1_TYPE, Q8_0_TYPE) if spec.gguf_blocks else (),
+    }.get(spec.dtype, ())
     given = {}
-    if dtype in QUANTIZED_DTYPES and source.suffix == ".gguf":
-        types = (Q4_1_TYPE, Q8_0_TYPE) if dtype == "int4" else (Q8_0_TYPE,)
+    if types and source.suffix == ".gguf":
+        # Quantized modes must compute with the file's weights; float32 keeps a tensor dense
+        # when its blocks do not reproduce it exactly.
+        strict = spec.dtype in QUANTIZED_DTYPES
         try:
-            given = gguf_kernel_weights(source, model, types)
+            given = gguf_kernel_weights(source, model, types, strict=strict)
         except GGUFWeightError as err:
             raise TargetLoadError(str(err)) from err
-    install_kernels(model, dtype, output_layer=model.get_output_embeddings(), given=given)
+    install_kernels(model, spec.dtype, output_layer=model.get_output_embeddings(), given=given)
 
 
 def default_gguf_path() -> Path:

@@ -11,6 +11,7 @@ are put back in transformers' order (the check proves the order).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 
 from selfspec.kernels.weights import Q4_BLOCK, KernelWeight
+
+logger = logging.getLogger(__name__)
 
 Q4_1_TYPE, Q8_0_TYPE = "Q4_1", "Q8_0"
 _LAYER_TENSORS = {
@@ -36,10 +39,15 @@ class GGUFWeightError(ValueError):
 
 
 def gguf_kernel_weights(
-    gguf: Path, model: nn.Module, types: tuple[str, ...] = (Q4_1_TYPE, Q8_0_TYPE)
+    gguf: Path,
+    model: nn.Module,
+    types: tuple[str, ...] = (Q4_1_TYPE, Q8_0_TYPE),
+    strict: bool = True,
 ) -> dict[nn.Module, KernelWeight]:
     """Kernel weights from ``gguf``'s blocks of the given GGUF ``types``, keyed by the linear
-    layer of ``model`` (a Llama-family HF model converted from that file) each belongs to."""
+    layer of ``model`` (a Llama-family HF model converted from that file) each belongs to. A
+    tensor whose blocks do not reproduce the layer's weight exactly raises ``GGUFWeightError``
+    (``strict``) or is left out (logged)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
@@ -72,10 +80,14 @@ def gguf_kernel_weights(
         if heads is not None:
             kernel_weight = _rows_permuted(kernel_weight, _unpermute_rows(int(out_features), heads))
         if not torch.equal(kernel_weight.dequantized(), module.weight.detach().float()):
-            raise GGUFWeightError(
+            message = (
                 f"{gguf}: the {kind} blocks of {tensor.name} do not reproduce the converted weight "
                 "exactly; is the converted model from this file?"
             )
+            if strict:
+                raise GGUFWeightError(message)
+            logger.warning("%s; that layer stays dense", message)
+            continue
         weights[module] = kernel_weight
     return weights
 

