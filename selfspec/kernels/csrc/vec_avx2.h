@@ -82,6 +82,7 @@ SS_INLINE __m256 exp_half(__m256 x) {
 }
 SS_INLINE V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
 
-// 16 registers: 2 x 2 tiles of two-register accumulators, plus weights and one activation.
-constexpr int kTileRows = 2;
+// 16 registers: 3 x 2 tiles of two-register accumulators (12) and two columns of weights (4);
+// activations are read as memory operands of the multiply-adds.
+constexpr int kTileRows = 3;
 constexpr int kTileCols = 2;
