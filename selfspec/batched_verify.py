@@ -17,6 +17,7 @@ once too, inside ``DynamicCache.update``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,8 @@ def verify_features(
     """Run the trees of ``requests`` through the target in one forward.
 
     Returns each request's tree features # [T_b, H]; each request's cache has its tree's KV
-    entries appended (as ``TargetForward.features`` does for one request)."""
+    entries appended (as ``TargetForward.features`` does for one request), and a request whose
+    heads read tapped layers (EAGLE-3) gets their states in ``state.draft_features``."""
     if not requests:
         return []
     sizes = [drafted.tree.size for _, drafted in requests]
@@ -65,8 +67,14 @@ def verify_features(
             padding = torch.arange(size, width, device=device)
             mask[row, 0, padding, prefix + padding] = 0.0
         stacked = _stacked_cache(target, [state.cache for state, _ in requests], prefix)
-    with record_function("selfspec.verify_forward"):
+    taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
+    with record_function("selfspec.verify_forward"), contextlib.ExitStack() as stack:
+        records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
         features = target.features(tokens, positions, stacked, mask)  # [B, T, H]
+    tapped = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H] each
+    for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
+        if state.taps is not None:
+            state.draft_features = tapped[id(state.taps)][row, :size]  # [T_b, k * H]
     with record_function("selfspec.batch_unstack"):
         for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
             for own, shared in zip(state.cache.layers, stacked.layers, strict=True):

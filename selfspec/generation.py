@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import Drafter, DraftPlan, make_drafter
 from selfspec.drafting.sizing import TreeSizer
+from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
@@ -122,6 +123,12 @@ class RequestState:
     overhead_seconds: float = 0.0
     """Moving average of a step's work after its forward (verdict, KV commit, head advance),
     for tree sizing."""
+    taps: LayerTaps | None = None
+    """The target layers this request's drafter reads besides the last hidden state (EAGLE-3),
+    tapped during every forward of the request; None for Medusa and EAGLE."""
+    draft_features: torch.Tensor | None = None
+    """With taps: the tapped states of the last verification forward's tree # [T, k * H], set
+    by that forward (``verify``, ``selfspec.batched_verify``) and taken by ``conclude``."""
 
     @property
     def calibration(self) -> float:
@@ -159,6 +166,7 @@ class SpeculativeGenerator:
         self.drafter: Drafter | None = (
             make_drafter(heads, self.target) if heads is not None else None
         )
+        self.taps = taps_for(self.drafter, self.target.body)  # EAGLE-3's layers, else None
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
         self.default_stop_ids = _eos_ids(model, tokenizer)
@@ -236,16 +244,23 @@ class SpeculativeGenerator:
             generator.manual_seed(config.seed)
         cache = self.target.new_cache()
         positions = torch.arange(prompt.shape[0], device=device)[None]
-        with record_function("selfspec.prefill"):
+        taps = self.taps if config.speculate else None
+        with record_function("selfspec.prefill"), maybe_capture(taps) as tapped:
             features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
             logits = self.target.logits(features[-1])  # [vocab]
         first = _choose(logits, config.sampling, generator)
         state = RequestState(
-            cache=cache, generator=generator, committed_len=prompt.shape[0], root_token=first
+            cache=cache,
+            generator=generator,
+            committed_len=prompt.shape[0],
+            root_token=first,
+            taps=taps,
         )
         if config.speculate:
+            # What the drafter reads: the last hidden states, or the tapped layers # [S, k * H]
+            draft_features = features if tapped is None else tapped.stacked()[0]
             with record_function("selfspec.draft_prefill"):
-                state.draft_state = self.drafter.start(features, prompt, first)
+                state.draft_state = self.drafter.start(draft_features, prompt, first)
         return state
 
     def draft(
@@ -296,10 +311,12 @@ class SpeculativeGenerator:
         """Verify a drafted tree in a target forward of its own, then ``conclude``."""
         tree, buffers = drafted.tree, drafted.buffers
         started = time.perf_counter()
-        with record_function("selfspec.verify_forward"):
+        with record_function("selfspec.verify_forward"), maybe_capture(state.taps) as tapped:
             features = self.target.features(
                 tree.tokens[None], buffers.position_ids, state.cache, buffers.attention_mask
             )[0]  # [T, H]
+        if tapped is not None:
+            state.draft_features = tapped.stacked()[0]  # [T, k * H]
         with record_function("selfspec.verify_lm_head"):
             logits = self.target.logits(features)  # [T, vocab]
         self.observe_verification(state, elapsed_seconds(started, logits.device), tree.size)
@@ -339,9 +356,13 @@ class SpeculativeGenerator:
             state.committed_len += int(verdict.accepted.shape[0])
             accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
         if config.speculate:
+            draft_features = features if state.taps is None else _take_draft_features(state)
             with record_function("selfspec.draft_advance"):
                 self.drafter.advance(
-                    state.draft_state, features[verdict.accepted], accepted_tokens, verdict.bonus
+                    state.draft_state,
+                    draft_features[verdict.accepted],
+                    accepted_tokens,
+                    verdict.bonus,
                 )
         state.root_token = verdict.bonus
         state.overhead_seconds = _moving_average(
@@ -530,6 +551,18 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
         if index >= 0 and (found is None or index < found):
             found = index
     return found
+
+
+def _take_draft_features(state: RequestState) -> torch.Tensor:
+    """The tapped states of the tree just verified, taken so no later step reuses them."""
+    draft_features, state.draft_features = state.draft_features, None
+    if draft_features is None:
+        raise RuntimeError(
+            "this request's heads read tapped target layers (EAGLE-3), but its verification "
+            "forward ran without the taps (verify through SpeculativeGenerator.verify or "
+            "selfspec.batched_verify.verify_features)"
+        )
+    return draft_features  # [T, k * H]
 
 
 def _moving_average(average: float, sample: float) -> float:

@@ -2,8 +2,10 @@
 
 Rows are right-padded into batches: ``input_ids`` # [B, L], ``lengths`` and ``prompt_len`` # [B],
 and, when the dataset stored them, ``features`` # [B, L-1, H] (the last token's feature is never
-needed: nothing after it is trained). Validation is a separate distilled dataset (e.g. of the
-held-out prompts) or, without one, a seeded ``val_fraction`` of the training rows.
+needed: nothing after it is trained) and, for EAGLE-3 heads, ``layer_features`` # [B, L-1, k*H]
+(the target's states at k layers, concatenated) with ``layer_ids`` # [B, k] naming those layers.
+Validation is a separate distilled dataset (e.g. of the held-out prompts) or, without one, a
+seeded ``val_fraction`` of the training rows.
 """
 
 from __future__ import annotations
@@ -119,15 +121,26 @@ class DistilledDataModule(L.LightningDataModule):
             "lengths": torch.tensor(lengths),
             "prompt_len": torch.tensor([int(r["prompt_len"]) for r in rows]),
         }
-        if "features" in rows[0]:
-            hidden = np.asarray(rows[0]["features"]).shape[-1]
-            features = torch.zeros(len(rows), width - 1, hidden)  # [B, L-1, H]
-            for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-                features[i, : n - 1] = torch.from_numpy(
-                    np.asarray(row["features"][: n - 1], dtype=np.float32)
+        for name in ("features", "layer_features"):
+            if name in rows[0]:
+                batch[name] = _padded_states(rows, name, lengths, width - 1)
+        if "layer_features" in rows[0]:
+            if "layer_ids" not in rows[0]:
+                raise DistilledDataError(
+                    "a dataset with layer_features needs a layer_ids column naming their layers"
                 )
-            batch["features"] = features
+            batch["layer_ids"] = torch.tensor(np.asarray([r["layer_ids"] for r in rows]))  # [B, k]
         return batch
+
+
+def _padded_states(rows: list[dict[str, Any]], name: str, lengths: list[int], width: int):
+    """Per-position float16 states of each row (its first length - 1), zero-padded.
+    # [B, width, D] float32"""
+    depth = np.asarray(rows[0][name]).shape[-1]
+    states = torch.zeros(len(rows), width, depth)
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        states[i, : n - 1] = torch.from_numpy(np.asarray(row[name][: n - 1], dtype=np.float32))
+    return states
 
 
 def _check_rows(data: Any, name: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from selfspec.heads import HeadKind
 from selfspec.train.module import HeadsModule
 from selfspec.train.prompts import OnBadLine, read_prompts
 from selfspec.train.shards import write_json
@@ -43,12 +44,22 @@ class ExportHeads(L.Callback):
         self.tau_max_new_tokens = tau_max_new_tokens
         self._started = 0.0
         self._tokens = 0.0
+        self._batch_started = 0.0
+        self._batch_seconds = 0.0
+        """Wall time inside training batches (forward, backward, optimizer), validation excluded."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.perf_counter()
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_started = time.perf_counter()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._tokens += float(batch["lengths"].sum())
+        seconds = time.perf_counter() - self._batch_started
+        tokens = float(batch["lengths"].sum())
+        self._tokens += tokens
+        self._batch_seconds += seconds
+        pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, HeadsModule):
@@ -70,11 +81,13 @@ class ExportHeads(L.Callback):
             "epochs": trainer.current_epoch,
             "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
             "tokens_seen_this_run_rank0": int(self._tokens),
+            "train_tokens_per_s_rank0": round(self._tokens / max(self._batch_seconds, 1e-9), 1),
             "world_size": trainer.world_size,
             "loss_weights": vars(module.loss_weights),
             "loss_vocab_size": module.loss_vocab_size,
             "loss_vocab_coverage": round(module.loss_vocab_coverage, 5),
             "optim": vars(module.optim),
+            "bf16_autocast": module._autocast_enabled,
             "metrics": metrics,
             "machine": {
                 "platform": platform.platform(),
@@ -83,6 +96,9 @@ class ExportHeads(L.Callback):
                 "dtype": str(module.target.dtype),
             },
         }
+        if module.kind is HeadKind.EAGLE3:
+            record["ttt"] = vars(module.ttt)
+            record["target_layers"] = list(module.heads.config.target_layers)
         module.heads.eval()
         if self.tau_prompts is not None:
             records, _ = read_prompts(self.tau_prompts, OnBadLine.fail)

@@ -4,6 +4,9 @@ The target is held through `TargetForward`, a plain object, not a child module: 
 checkpoints, DDP's gradient sync and the optimizer see the heads alone, and a checkpoint is a few
 MB instead of the target's weights. The target's features come from the distilled rows when they
 were stored (``selfspec distill --store_features true``), else from one no-grad forward per batch.
+EAGLE-3 heads also read the target's states at their ``target_layers``: from a ``layer_features``
+column when the data has one (with ``layer_ids`` naming the layers), else tapped during that same
+forward (``selfspec.drafting.taps``).
 """
 
 from __future__ import annotations
@@ -16,13 +19,22 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
+from selfspec.drafting.taps import LayerTaps
 from selfspec.fingerprint import BaseFingerprint, fingerprint_of
 from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
 from selfspec.heads.draft_vocab import with_draft_vocab
+from selfspec.heads.eagle3 import Eagle3Head, init_from_target, with_eagle3_draft_vocab
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 from selfspec.train.draft_vocab import frequent_tokens
-from selfspec.train.losses import LossWeights, eagle_loss, medusa_loss, response_positions
+from selfspec.train.eagle3_loss import TTTConfig, eagle3_loss
+from selfspec.train.losses import (
+    LossOutput,
+    LossWeights,
+    eagle_loss,
+    medusa_loss,
+    response_positions,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class HeadsModule(L.LightningModule):
     def __init__(
         self,
         target: TargetSpec | None = None,
-        kind: Literal["eagle", "medusa"] = "eagle",
+        kind: Literal["eagle", "medusa", "eagle3"] = "eagle",
         num_heads: int = 4,
         num_layers: int = 1,
         loss: LossWeights | None = None,
@@ -53,13 +65,16 @@ class HeadsModule(L.LightningModule):
         init_from: str | None = None,
         loss_vocab_size: int | None = None,
         eagle_depth: int = 1,
+        target_layers: list[int] | None = None,
+        ttt: TTTConfig | None = None,
+        bf16_autocast: Literal["auto", "on", "off"] = "off",
     ) -> None:
         """
         Args:
             target: the frozen target (default: the embedded SmolLM2-135M-Instruct).
-            kind: "eagle" or "medusa".
+            kind: "eagle", "medusa" or "eagle3".
             num_heads: Medusa heads (draft depth); ignored by EAGLE.
-            num_layers: Medusa residual blocks per head / EAGLE decoder layers.
+            num_layers: Medusa residual blocks per head / EAGLE decoder layers (EAGLE-3: 1).
             loss: weights of the loss terms (see selfspec.train.losses).
             optim: optimizer and schedule.
             init_from: a heads checkpoint directory to continue from (same base required).
@@ -67,6 +82,13 @@ class HeadsModule(L.LightningModule):
                 the training data instead of the whole vocabulary (None: whole vocabulary).
             eagle_depth: EAGLE draft depths simulated per training step (1: the EAGLE-1 loss;
                 more: EAGLE-3's training-time test, see selfspec.train.losses.eagle_loss).
+            target_layers: EAGLE-3: the target layers whose states the heads fuse (indices of HF's
+                output_hidden_states); None: low/mid/high = 2, L//2, L-3. Recorded in the heads.
+            ttt: EAGLE-3: the training-time test (unrolled steps, their weights, the labels).
+                With loss_vocab_size the heads' own lm_head covers exactly that many tokens.
+            bf16_autocast: run the steps (heads and the target's forward) under bfloat16
+                autocast: "auto" where the device has bfloat16 arithmetic (on a CPU: oneDNN's
+                bf16 support, AVX-512 BF16 or AMX), "on", or "off" (float32).
         """
         super().__init__()
         self.target_spec = target or TargetSpec()
@@ -83,6 +105,10 @@ class HeadsModule(L.LightningModule):
         if eagle_depth < 1:
             raise ValueError(f"eagle_depth must be >= 1, got {eagle_depth}")
         self.eagle_depth = eagle_depth
+        self.ttt = ttt or TTTConfig()
+        self.bf16_autocast = bf16_autocast
+        if self.kind is not HeadKind.EAGLE3 and (target_layers is not None or ttt is not None):
+            raise ValueError("target_layers and ttt are options of kind eagle3 only")
         self.loss_vocab: torch.Tensor | None = None  # [V'] token ids, set in setup()
         self.loss_vocab_coverage = 1.0
         """Share of the training responses' tokens inside the loss vocabulary."""
@@ -94,19 +120,36 @@ class HeadsModule(L.LightningModule):
                     f"init_from {init_from} holds {self.heads.config.kind.value} heads, "
                     f"not {self.kind.value}"
                 )
-        else:
-            try:
-                config = heads_config_for(
-                    loaded.model, self.kind, num_heads=num_heads, num_layers=num_layers
+            saved_layers = list(self.heads.config.target_layers)
+            if target_layers is not None and list(target_layers) != saved_layers:
+                raise ValueError(
+                    f"init_from {init_from} reads target layers {saved_layers}, "
+                    f"not {list(target_layers)}"
                 )
+        else:
+            overrides: dict[str, Any] = {"num_heads": num_heads, "num_layers": num_layers}
+            if target_layers is not None:
+                overrides["target_layers"] = tuple(target_layers)
+            try:
+                config = heads_config_for(loaded.model, self.kind, **overrides)
             except ValueError as error:
                 raise ValueError(
                     f"heads config does not fit the target {loaded.name}: {error}"
                 ) from error
             self.heads = build_heads(config)
+            if isinstance(self.heads, Eagle3Head):
+                init_from_target(self.heads, self.target.lm_head, _final_norm(self.target))
+        self.taps = (
+            LayerTaps(self.target.body, self.heads.config.target_layers)
+            if isinstance(self.heads, Eagle3Head)
+            else None
+        )
 
     def setup(self, stage: str) -> None:
         self.target.model.to(self.device)  # not a child module, so Lightning does not move it
+        if isinstance(self.heads, Eagle3Head):
+            self._setup_eagle3_vocab(stage)
+            return
         if self.loss_vocab_size is not None:
             datamodule = self.trainer.datamodule
             datamodule.setup(stage)
@@ -115,6 +158,30 @@ class HeadsModule(L.LightningModule):
             self.loss_vocab = vocab.to(self.device)
         # The heads draft from exactly the tokens they learnt to rank (and are exported so).
         self.heads = with_draft_vocab(self.heads, self.loss_vocab).to(self.device)
+
+    def _setup_eagle3_vocab(self, stage: str) -> None:
+        """EAGLE-3 heads train their own lm_head over their draft vocabulary, which is the loss
+        vocabulary: chosen from the data for new heads, kept for heads continued from a
+        checkpoint (their lm_head rows were trained for it)."""
+        heads = self.heads
+        if heads.config.draft_vocab_size or self.loss_vocab_size is None:
+            if self.loss_vocab_size not in (None, heads.config.draft_rows):
+                raise ValueError(
+                    f"loss_vocab_size={self.loss_vocab_size}, but the EAGLE-3 heads being "
+                    f"continued draft from {heads.config.draft_rows} tokens"
+                )
+            vocab = heads.draft_vocab
+        else:
+            datamodule = self.trainer.datamodule
+            datamodule.setup(stage)
+            counts = datamodule.response_token_counts(self.target.vocab_size)  # [vocab]
+            vocab, self.loss_vocab_coverage = frequent_tokens(counts, self.loss_vocab_size)
+            heads = with_eagle3_draft_vocab(
+                heads, vocab, self.target.lm_head, _final_norm(self.target)
+            )
+            vocab = heads.draft_vocab
+        self.loss_vocab = None if vocab is None else vocab.to(self.device)
+        self.heads = heads.to(self.device)
 
     def _projection(self):
         """The lm_head, restricted to the loss vocabulary when there is one."""
@@ -136,7 +203,49 @@ class HeadsModule(L.LightningModule):
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
             return self.target.body(input_ids=ids, position_ids=positions).last_hidden_state
 
-    def _loss(self, batch: dict[str, torch.Tensor]):
+    def _eagle3_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's states at the heads' layers # [B, L-1, k*H] and its last hidden states
+        # [B, L-1, H] at f_0 .. f_{L-2}: stored, or from one no-grad forward (taps on)."""
+        layers = list(self.heads.config.target_layers)
+        if "layer_features" in batch and "features" in batch:
+            stored = batch["layer_ids"]  # [B, k]
+            if stored.shape[-1] != len(layers) or (stored != stored.new_tensor(layers)).any():
+                raise ValueError(
+                    f"the data's layer_features hold layers {stored[0].tolist()}, the heads "
+                    f"read {layers}"
+                )
+            dtype = self.target.dtype
+            return batch["layer_features"].to(dtype), batch["features"].to(dtype)
+        with torch.no_grad(), self.taps.capture() as tapped:
+            ids = batch["input_ids"][:, :-1]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            last = self.target.body(input_ids=ids, position_ids=positions).last_hidden_state
+        return tapped.stacked(), last
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self._autocast_enabled):
+            return self._heads_loss(batch)
+
+    @property
+    def _autocast_enabled(self) -> bool:
+        if self.bf16_autocast == "auto":
+            return bf16_arithmetic(self.device)
+        return self.bf16_autocast == "on"
+
+    def _heads_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        if isinstance(self.heads, Eagle3Head):
+            layer_states, features = self._eagle3_inputs(batch)  # [B, L-1, k*H], [B, L-1, H]
+            mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])
+            return eagle3_loss(
+                self.heads,
+                self.target.embed,
+                batch["input_ids"],
+                layer_states,
+                features,
+                self._projection(),
+                mask,
+                self.ttt,
+            )
         features = self._features(batch)  # [B, L-1, H]
         mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])
         lm_head = self._projection()
@@ -205,3 +314,18 @@ class HeadsModule(L.LightningModule):
         from selfspec.heads import save_heads
 
         return save_heads(self.heads, path, self.base, extra=extra)
+
+
+def _final_norm(target: TargetForward) -> torch.nn.Module | None:
+    """The target body's final norm (Llama-like ``norm``, GPT-2's ``ln_f``), if it has one."""
+    return getattr(target.body, "norm", None) or getattr(target.body, "ln_f", None)
+
+
+def bf16_arithmetic(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively (CUDA with bf16, or a CPU with oneDNN's
+    bf16 support: AVX-512 BF16 or AMX), where bfloat16 autocast pays."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False

@@ -251,6 +251,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     heads_dir = _heads_dir(config.heads, is_default)
     old_heads = load_heads(heads_dir, model)  # refuses heads of another base
     kind = read_heads_config(heads_dir)[0].kind
+    if kind is HeadKind.EAGLE3:  # its training reads tapped layers the distilled rows lack
+        raise ValueError(f"{heads_dir}: recalibrating EAGLE-3 heads is not supported yet")
     train_file = Path(config.prompts) if config.prompts else _train_prompts_file()
     heldout_file = (
         Path(config.heldout_prompts) if config.heldout_prompts else default_prompts_file()

@@ -64,6 +64,7 @@ def default_trees(heads: torch.nn.Module) -> dict[str, TreeSpec | None]:
     """The engine's default dynamic tree, and DEFAULT_STATIC_TREE where the heads reach its depth
     (Medusa drafts no deeper than its number of heads)."""
     trees: dict[str, TreeSpec | None] = {"dynamic": None}
-    if heads.config.kind is HeadKind.EAGLE or heads.config.num_heads >= DEFAULT_STATIC_TREE.depth:
+    config = heads.config
+    if config.kind is not HeadKind.MEDUSA or config.num_heads >= DEFAULT_STATIC_TREE.depth:
         trees["static"] = DEFAULT_STATIC_TREE
     return trees

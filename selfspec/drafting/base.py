@@ -11,7 +11,12 @@ from selfspec.tree import Tree
 
 
 class Drafter(Protocol):
-    """Stateless view of a set of heads; all per-request state lives in the returned state."""
+    """Stateless view of a set of heads; all per-request state lives in the returned state.
+
+    "Features" below are the target's last hidden states, unless the drafter has a non-empty
+    ``target_layers`` attribute (EAGLE-3): then they are the target's states at those layers
+    (HF ``output_hidden_states`` indices), concatenated in that order, # [..., k * H], which the
+    decoding loop taps during its forwards (``selfspec.drafting.taps``)."""
 
     def start(
         self,

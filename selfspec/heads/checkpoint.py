@@ -135,14 +135,17 @@ def load_heads(
             f"{weights_path} does not match its config: missing {missing}, "
             f"unexpected {unexpected}, wrong shape {wrong}"
         )
-    vocab = state.get(BUFFER)
-    if vocab is not None:
-        try:
+    try:
+        vocab = state.get(BUFFER)
+        if vocab is not None:
             state[BUFFER] = check_draft_vocab(
                 vocab, heads_config.vocab_size, heads_config.draft_vocab_size
             )
-        except ValueError as error:
-            raise HeadsCheckpointError(f"{weights_path}: {error}") from error
+        check_state = getattr(type(heads), "check_state", None)  # a kind's own invariants
+        if check_state is not None:
+            check_state(state, heads_config)
+    except ValueError as error:
+        raise HeadsCheckpointError(f"{weights_path}: {error}") from error
     heads.load_state_dict(state)
     if target is not None:
         embed = target.get_input_embeddings().weight

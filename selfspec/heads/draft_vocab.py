@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from selfspec.heads.config import HeadsConfig
+from selfspec.heads.config import HeadKind, HeadsConfig
 
 BUFFER = "draft_vocab"
 
@@ -58,12 +58,18 @@ def check_draft_vocab(token_ids: torch.Tensor, vocab_size: int, size: int) -> to
 
 def with_draft_vocab(heads: nn.Module, token_ids: torch.Tensor | None) -> nn.Module:
     """The same heads drafting from ``token_ids`` (None: the whole vocabulary); rebuilt with the
-    matching ``draft_vocab_size``, weights copied, when the size differs."""
-    from selfspec.heads.factory import build_heads  # the factory imports the heads modules
+    matching ``draft_vocab_size``, weights copied, when the size differs.
 
+    Medusa and EAGLE only: EAGLE-3 heads carry their own lm_head over their draft vocabulary
+    (see ``selfspec.heads.eagle3.with_eagle3_draft_vocab``)."""
+    if heads.config.kind is HeadKind.EAGLE3:
+        raise ValueError(
+            "EAGLE-3 heads have their own lm_head over the draft vocabulary they were trained "
+            "on; it cannot be swapped afterwards (train with loss_vocab_size instead)"
+        )
     size = 0 if token_ids is None else int(token_ids.shape[0])
     if heads.config.draft_vocab_size != size:
-        rebuilt = build_heads(replace(heads.config, draft_vocab_size=size))
+        rebuilt = type(heads)(replace(heads.config, draft_vocab_size=size))
         weights = {k: v for k, v in heads.state_dict().items() if k != BUFFER}
         rebuilt.load_state_dict({**rebuilt.state_dict(), **weights})
         rebuilt.train(heads.training)

@@ -17,6 +17,7 @@ from torch import nn
 
 from selfspec.heads.config import HeadKind, HeadsConfig
 from selfspec.heads.draft_vocab import register_draft_vocab
+from selfspec.heads.registry import register_heads
 
 
 @dataclass
@@ -103,6 +104,7 @@ class EagleDecoderLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+@register_heads(HeadKind.EAGLE)
 class EagleHead(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from torch import nn
 
 from selfspec.heads.config import HeadKind, HeadsConfig
 from selfspec.heads.draft_vocab import register_draft_vocab
+from selfspec.heads.registry import register_heads
 
 
 class ResidualBlock(nn.Module):
@@ -26,6 +27,7 @@ class ResidualBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+@register_heads(HeadKind.MEDUSA)
 class MedusaHeads(nn.Module):
     def __init__(self, config: HeadsConfig) -> None:
         super().__init__()
