@@ -72,6 +72,23 @@ SS_INLINE V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t group_s
   }
 }
 
+// 32 weights of a row from element k (k a multiple of 32, all 32 present): the two chunks
+// weight_chunk gives, with a Q4_1 block's bytes, scale and minimum read once for both.
+template <int64_t FORMAT>
+SS_INLINE void weight_pair(const RowRef& row, int64_t k, int64_t group_shift, V& lo, V& hi) {
+  if constexpr (FORMAT == kQ4_1) {
+    const int64_t block = k >> 5;
+    V q_lo, q_hi;
+    vload_q4(reinterpret_cast<const uint8_t*>(row.data) + block * 16, q_lo, q_hi);
+    const V d = vset1(row.scale[block]), m = vset1(row.minimum[block]);
+    lo = vadd(vmul(q_lo, d), m);
+    hi = vadd(vmul(q_hi, d), m);
+  } else {
+    lo = weight_chunk<FORMAT>(row, k, 16, group_shift);
+    hi = weight_chunk<FORMAT>(row, k + 16, 16, group_shift);
+  }
+}
+
 SS_INLINE const char* row_start(const LinearParams& p, int64_t n) {
   return static_cast<const char*>(p.w) + n * row_bytes(p);
 }
@@ -79,8 +96,8 @@ SS_INLINE const char* row_start(const LinearParams& p, int64_t n) {
 // out[r][c] = sum over k of x_rows[r][k] * w(c, k), in the fixed order described above, where
 // the weights come from `load(c, k, rest)`. Prefetches `next[c]` (the next tile's rows,
 // `next_bytes` each) along the way, so memory streams while this tile computes.
-template <int R, int C, typename Load>
-SS_INLINE void dot_tile(const float* const* x_rows, Load load, int64_t K,
+template <int R, int C, typename Load, typename LoadPair>
+SS_INLINE void dot_tile(const float* const* x_rows, Load load, LoadPair load_pair, int64_t K,
                         const char* const* next, int64_t from, int64_t to,
                         float (*out)[kTileCols]) {
   V acc[R][C];
@@ -92,11 +109,14 @@ SS_INLINE void dot_tile(const float* const* x_rows, Load load, int64_t K,
   // Cache lines [from, to) of each next row, a few per step.
   const int64_t lines_per_step = (to - from + 64 * steps - 1) / (64 * steps);
   int64_t line = from;
-  // One step of 16 weights per column; `rest` is the constant 16 in the main loop (inlined).
-  auto step = [&](int64_t k, int rest) __attribute__((always_inline)) {
-    V w[C];
+  auto prefetch = [&](int64_t count) __attribute__((always_inline)) {
+    for (int64_t j = 0; j < count && line < to; ++j, line += 64) {
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) w[c] = load(c, k, rest);
+      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
+    }
+  };
+  // Chunk k of every row into its accumulators: lane k % 16, chunks in ascending k.
+  auto accumulate = [&](int64_t k, int rest, const V* w) __attribute__((always_inline)) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const V x = rest == 16 ? vload(x_rows[r] + k) : vload_n(x_rows[r] + k, rest);
@@ -104,14 +124,23 @@ SS_INLINE void dot_tile(const float* const* x_rows, Load load, int64_t K,
       for (int c = 0; c < C; ++c) acc[r][c] = vfma(x, w[c], acc[r][c]);
     }
   };
-  for (int64_t i = 0; i < full; ++i) {
-    for (int64_t j = 0; j < lines_per_step && line < to; ++j, line += 64) {
+  int64_t chunk = 0;
+  for (; chunk + 2 <= full; chunk += 2) {  // two chunks at a time: a Q4_1 block per column
+    prefetch(2 * lines_per_step);
+    V lo[C], hi[C];
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
-    }
-    step(16 * i, 16);
+    for (int c = 0; c < C; ++c) load_pair(c, 16 * chunk, lo[c], hi[c]);
+    accumulate(16 * chunk, 16, lo);
+    accumulate(16 * chunk + 16, 16, hi);
   }
-  if (full < steps) step(16 * full, static_cast<int>(K - 16 * full));
+  for (; chunk < steps; ++chunk) {
+    prefetch(lines_per_step);
+    const int rest = chunk < full ? 16 : static_cast<int>(K - 16 * full);
+    V w[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) w[c] = load(c, 16 * chunk, rest);
+    accumulate(16 * chunk, rest, w);
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
@@ -119,14 +148,14 @@ SS_INLINE void dot_tile(const float* const* x_rows, Load load, int64_t K,
 }
 
 // dot_tile for `rows` (1..R) rows, chosen at run time, compiled for each count.
-template <int R, typename Load>
-SS_INLINE void dot_rows(int rows, const float* const* x_rows, Load load, int64_t K,
-                            const char* const* next, int64_t from, int64_t to,
-                            float (*out)[kTileCols]) {
+template <int R, typename Load, typename LoadPair>
+SS_INLINE void dot_rows(int rows, const float* const* x_rows, Load load, LoadPair load_pair,
+                        int64_t K, const char* const* next, int64_t from, int64_t to,
+                        float (*out)[kTileCols]) {
   if (rows == R) {
-    dot_tile<R, kTileCols>(x_rows, load, K, next, from, to, out);
+    dot_tile<R, kTileCols>(x_rows, load, load_pair, K, next, from, to, out);
   } else if constexpr (R > 1) {
-    dot_rows<R - 1>(rows, x_rows, load, K, next, from, to, out);
+    dot_rows<R - 1>(rows, x_rows, load, load_pair, K, next, from, to, out);
   }
 }
 
@@ -167,6 +196,13 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
       for (int c = columns; c < kTileCols; ++c) dense[c] = dense[columns - 1];
     }
     auto from_store = [&](int c, int64_t k, int rest) __attribute__((always_inline)) { return weight_chunk<FORMAT>(refs[c], k, rest, shift); };
+    auto pair_from_store = [&](int c, int64_t k, V& lo, V& hi) __attribute__((always_inline)) {
+      weight_pair<FORMAT>(refs[c], k, shift, lo, hi);
+    };
+    auto pair_from_scratch = [&](int c, int64_t k, V& lo, V& hi) __attribute__((always_inline)) {
+      lo = vload(dense[c] + k);
+      hi = vload(dense[c] + k + 16);
+    };
     auto from_scratch = [&](int c, int64_t k, int rest) __attribute__((always_inline)) {
       return rest == 16 ? vload(dense[c] + k) : vload_n(dense[c] + k, rest);
     };
@@ -179,8 +215,11 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
       const float* x_rows[kTileRows];
       for (int r = 0; r < kTileRows; ++r) x_rows[r] = p.x + (m + (r < rows ? r : rows - 1)) * K;
       float out[kTileRows][kTileCols];
-      if (direct) dot_rows<kTileRows>(rows, x_rows, from_store, K, next, from, to, out);
-      else dot_rows<kTileRows>(rows, x_rows, from_scratch, K, next, from, to, out);
+      if (direct) {
+        dot_rows<kTileRows>(rows, x_rows, from_store, pair_from_store, K, next, from, to, out);
+      } else {
+        dot_rows<kTileRows>(rows, x_rows, from_scratch, pair_from_scratch, K, next, from, to, out);
+      }
       for (int r = 0; r < rows; ++r) {
         float* y = p.y + (m + r) * N + n;
         for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n + c] : out[r][c];

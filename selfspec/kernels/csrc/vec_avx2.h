@@ -58,6 +58,13 @@ SS_INLINE V widen_u8(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
 }
+SS_INLINE void vload_q4(const uint8_t* p, V& lo, V& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  lo = widen_u8(_mm_and_si128(b, low_mask));
+  hi = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask));
+}
+
 SS_INLINE V vload_q4_half(const uint8_t* p, int64_t half) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if (half) b = _mm_srli_epi16(b, 4);

@@ -55,6 +55,14 @@ SS_INLINE void vhsum16(const V* acc, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s1));
 }
 
+// A Q4_1 block's 32 elements from its 16 nibble bytes: `lo` 0-15, `hi` 16-31.
+SS_INLINE void vload_q4(const uint8_t* p, V& lo, V& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  lo = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low_mask)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask)))};
+}
+
 SS_INLINE V vload_bf16(const uint16_t* p) {  // 16 bf16 values, exactly widened
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
