@@ -94,11 +94,8 @@ class HeadsRun:
 # -- the held-out prompts ---------------------------------------------------------------------
 
 
-def read_heldout(
-    path: Path, categories: Sequence[str] | None = None, limit: int | None = None
-) -> list[HeldoutPrompt]:
-    """The held-out prompts of ``path`` ({"id", "category", "prompt"} per line), in file order,
-    keeping ``categories`` (all when None) and the first ``limit`` prompts of each."""
+def read_heldout(path: Path) -> list[HeldoutPrompt]:
+    """Every held-out prompt of ``path`` ({"id", "category", "prompt"} per line), in file order."""
     if not path.is_file():
         raise HeldoutError(f"held-out prompts {path} is not a file")
     prompts: list[HeldoutPrompt] = []
@@ -119,19 +116,25 @@ def read_heldout(
             raise HeldoutError(f"{path}:{number}: duplicate id {row['id']!r}")
         seen.add(row["id"])
         prompts.append(HeldoutPrompt(row["id"], row["category"], row["prompt"]))
-    present = list(dict.fromkeys(p.category for p in prompts))
-    if categories:
-        unknown = [c for c in categories if c not in present]
-        if unknown:
-            raise HeldoutError(f"{path} has no category {unknown}; it has {present}")
-        present = list(categories)
-    kept: list[HeldoutPrompt] = []
-    for category in present:
-        of_category = [p for p in prompts if p.category == category]
-        kept.extend(of_category[:limit] if limit else of_category)
-    if not kept:
+    if not prompts:
         raise HeldoutError(f"{path} holds no prompt")
-    return kept
+    return prompts
+
+
+def select(
+    prompts: Sequence[HeldoutPrompt],
+    categories: Sequence[str] | None = None,
+    limit: int | None = None,
+) -> list[HeldoutPrompt]:
+    """``prompts`` of ``categories`` (all when None, else in that order), the first ``limit`` of
+    each."""
+    groups = by_category(prompts)
+    if categories:
+        unknown = [c for c in categories if c not in groups]
+        if unknown:
+            raise HeldoutError(f"no held-out category {unknown}; there are {list(groups)}")
+        groups = {c: groups[c] for c in categories}
+    return [p for group in groups.values() for p in (group[:limit] if limit else group)]
 
 
 def by_category(prompts: Iterable[HeldoutPrompt]) -> dict[str, list[HeldoutPrompt]]:
@@ -648,7 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     try:
-        prompts = read_heldout(args.prompts, args.categories, args.limit)
+        every_prompt = read_heldout(args.prompts)
+        prompts = select(every_prompt, args.categories, args.limit)
         tree = DynamicTree(top_k=args.top_k, depth=args.depth, budget=args.budget)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -656,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = load_target(TargetSpec(dtype=args.dtype, threads=args.threads))
     # The whole file is checked, whatever --limit / --categories measure.
     dedup = check_deduplicated(
-        read_heldout(args.prompts),
+        every_prompt,
         [TRAIN_PROMPTS, *args.train_data],
         target.tokenizer,
         args.dedup_threshold,
