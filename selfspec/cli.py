@@ -18,6 +18,12 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "train",
         "self-distil responses from the target",
     ),
+    "datagen": (
+        "selfspec.train.cli",
+        "datagen_main",
+        "train",
+        "data engine: prompts written by the target, deduplicated, answered, in shards",
+    ),
     "train": ("selfspec.train.cli", "train_main", "train", "train draft heads with Lightning"),
     "recalibrate": (
         "selfspec.train.cli",

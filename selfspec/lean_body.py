@@ -76,16 +76,22 @@ class LeanBody:
     """Runs a supported decoder body (see ``unsupported_reason``) for decoding. Holds no state
     but the body; every call passes its cache."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: nn.Module, fixed_order_attention: bool | None = None) -> None:
+        """``fixed_order_attention``: attention through the kernels' fixed-order attention.
+        None: exactly when the linear layers run through the kernels (then every op of a
+        forward is row-invariant and a tree verifies exactly as plain decoding). True with
+        transformers' linear layers is for batched generation (``selfspec.train.datagen``):
+        a batch of ragged rows then attends to its own keys only, several times faster than
+        SDPA over a padded window, no longer bit-identical to the HF body."""
         reason = unsupported_reason(body)
         if reason is not None:
             raise ValueError(f"LeanBody can't run {type(body).__name__}: {reason}")
         self.body = body
         self.config = body.config
         self.layers = list(body.layers)
-        # With the kernels' linear layers, attention takes the kernels' fixed order too: then
-        # every op of a forward is row-invariant and a tree verifies exactly as plain decoding.
-        self.fixed_order = uses_kernels(body)
+        self.fixed_order = (
+            uses_kernels(body) if fixed_order_attention is None else fixed_order_attention
+        )
 
     def covers(
         self,

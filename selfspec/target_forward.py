@@ -20,13 +20,21 @@ class TargetForward:
     """Thin view of an HF causal LM (optionally peft-wrapped). Holds no per-request state.
 
     ``lean``: run the body through ``LeanBody`` where it is supported (bit-identical results);
-    False always calls the HF body (benchmarks compare the two)."""
+    False always calls the HF body (benchmarks compare the two). ``fixed_order_attention``:
+    see ``LeanBody``."""
 
-    def __init__(self, model: PreTrainedModel, lean: bool = True) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        lean: bool = True,
+        fixed_order_attention: bool | None = None,
+    ) -> None:
         self.model = model
         self.body: nn.Module = model.get_decoder()
         self.lean: LeanBody | None = (
-            LeanBody(self.body) if lean and unsupported_reason(self.body) is None else None
+            LeanBody(self.body, fixed_order_attention)
+            if lean and unsupported_reason(self.body) is None
+            else None
         )
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.embed: nn.Module = model.get_input_embeddings()

@@ -54,3 +54,30 @@ def recalibrate_main(argv: list[str] | None = None) -> int:
     from selfspec.train.recalibrate import main
 
     return main(argv)
+
+
+def datagen_main(argv: list[str] | None = None) -> int:
+    """``selfspec datagen``: the data engine (selfspec.train.datagen.engine)."""
+    from selfspec.target import TargetLoadError
+    from selfspec.train.datagen.engine import DataEngine, EngineConfig
+    from selfspec.train.shards import DistilledDataError
+
+    parser = ArgumentParser(prog="selfspec datagen", description=DataEngine.__doc__)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
+    parser.add_class_arguments(EngineConfig, None, as_group=False)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        values = parser.instantiate(args)
+        config = EngineConfig(**{f.name: values[f.name] for f in fields(EngineConfig)})
+        reports = DataEngine(config).run()
+    except (TargetLoadError, DistilledDataError, ValueError) as error:
+        print(f"selfspec datagen: error: {error}", file=sys.stderr)
+        return 2
+    for stage, report in reports.items():
+        print(
+            f"{stage}: {report.shards_done} shards generated, {report.shards_skipped} already "
+            f"done, {report.rows} rows, {report.tokens} tokens in {report.seconds:.0f} s"
+        )
+    print(f"dataset card: {config.output}/README.md")
+    return 0

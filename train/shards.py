@@ -47,12 +47,20 @@ def finished_key(path: Path) -> str | None:
         return None
 
 
-def write_shard(path: Path, columns: dict[str, Any], meta: dict[str, Any], features=None) -> None:
-    """Save rows as a `datasets` directory at ``path``: staged, then renamed into place."""
-    from datasets import Array2D, Dataset, Features, Sequence, Value
+def write_shard(
+    path: Path,
+    columns: dict[str, Any],
+    meta: dict[str, Any],
+    features=None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Save rows as a `datasets` directory at ``path``: staged, then renamed into place.
+    ``extra``: the `datasets` types of columns beyond the distilled ones."""
+    from datasets import Array2D, Value
+    from datasets import Sequence as Seq
 
     schema = {
-        "input_ids": Sequence(Value("int32")),
+        "input_ids": Seq(Value("int32")),
         "prompt_len": Value("int32"),
         "response_len": Value("int32"),
         "finished": Value("bool"),
@@ -60,6 +68,14 @@ def write_shard(path: Path, columns: dict[str, Any], meta: dict[str, Any], featu
     }
     if "features" in columns:
         schema["features"] = Array2D(shape=(None, features), dtype="float16")
+    write_rows(path, columns, meta, {**schema, **(extra or {})})
+
+
+def write_rows(path: Path, columns: dict[str, Any], meta: dict[str, Any], schema) -> None:
+    """Any rows (``schema``: column name -> `datasets` type) as a shard directory at ``path``,
+    complete or absent: staged beside it, then renamed into place."""
+    from datasets import Dataset, Features
+
     data = Dataset.from_dict(columns, features=Features(schema))
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir_for(path)

@@ -74,15 +74,25 @@ def attention(
     if module is None:
         return attention_fallback(query, key, value, mask, scale)
     kv_dtype = torch.bfloat16 if key.dtype == torch.bfloat16 else torch.float32
+    key, value = _key_value_rows(key.to(kv_dtype), value.to(kv_dtype))
     out = module.attention(
         query.float().contiguous(),
-        key.to(kv_dtype).contiguous(),
-        value.to(kv_dtype).contiguous(),
+        key,
+        value,
         None if mask is None else mask.float().contiguous(),
         float(scale),
         extension.requested_isa(),
     )
     return out.to(query.dtype)
+
+
+def _key_value_rows(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value # [B, Hkv, T, D] as the kernel reads them: each key's D values contiguous,
+    keys D apart, the same strides for both. A window of a longer cache (sliced along T) already
+    is and is read in place; anything else is copied."""
+    dim = key.shape[-1]
+    in_place = key.stride() == value.stride() and key.stride(3) == 1 and key.stride(2) == dim
+    return (key, value) if in_place else (key.contiguous(), value.contiguous())
 
 
 def attention_fallback(

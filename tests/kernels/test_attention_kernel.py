@@ -125,3 +125,23 @@ def test_the_extension_checks_attention_arguments() -> None:
             1.0,
             "auto",
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_window_of_a_longer_cache_is_read_in_place_with_the_same_bits(
+    kernel_path: str, dtype: torch.dtype
+) -> None:
+    """Batched generation keeps one cache buffer per layer, [B, Hkv, capacity, D], and passes the
+    window a step reads (sliced along the keys) without copying it."""
+    query, key, value, mask = inputs(3, 1, 30, dim=64, dtype=dtype)
+    buffer_k = torch.randn(3, 2, 50, 64).to(dtype)
+    buffer_v = torch.randn(3, 2, 50, 64).to(dtype)
+    buffer_k[:, :, 12:42], buffer_v[:, :, 12:42] = key, value
+    window_k, window_v = buffer_k[:, :, 12:42], buffer_v[:, :, 12:42]
+    assert not window_k.is_contiguous()
+    copied = ops.attention(query, key, value, mask, 0.125)
+    in_place = ops.attention(query, window_k, window_v, mask, 0.125)
+    assert torch.equal(copied, in_place)
+    # Keys and values with different layouts are copied, never misread.
+    mixed = ops.attention(query, window_k, value, mask, 0.125)
+    assert torch.equal(copied, mixed)

@@ -60,3 +60,35 @@ def distilled(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     )
     distill(config)
     return root / "data"
+
+
+@pytest.fixture(scope="session")
+def chatty_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama that answers anything with " wo." and ends its turn: a bigram model (the
+    layers' output projections zeroed, so the stream is the token's embedding) whose lm_head maps
+    any character to " ", " " to "w", "w" to "o", "o" to "." and "." to EOS. The data engine's
+    user turns and responses then end, and have words, as a real model's do."""
+    from tiny_models import VOCAB_SIZE, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tiny_tokenizer()
+    config = tiny_config("llama")
+    config.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_config(config).eval()
+    chain = [" ", "w", "o", ".", "</s>"]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+        embed.zero_()
+        head.zero_()
+        for token in range(VOCAB_SIZE):
+            name = tokenizer.convert_ids_to_tokens(token)
+            embed[token, chain.index(name) + 1 if name in chain[:-1] else 0] = 1.0
+        for state, successor in enumerate(chain):
+            head[tokenizer.convert_tokens_to_ids(successor), state] = 2.0
+    path = tmp_path_factory.mktemp("target") / "chatty"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -301,7 +301,7 @@ static void attend_one(const AttentionParams& p, int64_t item, float* scratch) {
   const int64_t h = item % p.H, s = (item / p.H) % p.S, b = item / (p.H * p.S);
   const int64_t T = p.T, D = p.D;
   const int64_t kv_head = h / (p.H / p.Hkv);
-  const int64_t kv_base = (b * p.Hkv + kv_head) * T * D;
+  const int64_t kv_base = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
   const float* q = p.q + item * D;
   float* scores = scratch;                                         // [allowed keys]
   int32_t* keys = reinterpret_cast<int32_t*>(scratch + T + 16);    // [allowed keys]

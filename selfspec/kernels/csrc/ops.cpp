@@ -47,8 +47,12 @@ std::string resolve_isa(const std::string& isa) {
   return isa;
 }
 
-void check_cpu(const torch::Tensor& t, const char* name) {
+void check_on_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  check_on_cpu(t, name);
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -152,8 +156,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const c10::optional<torch::Tensor>& mask, double scale,
                         const std::string& isa) {
   check_cpu(q, "query");
-  check_cpu(k, "key");
-  check_cpu(v, "value");
+  check_on_cpu(k, "key");  // strides checked below
+  check_on_cpu(v, "value");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "query must be [B, S, H, D] float32");
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(),
               "key and value must be [B, Hkv, T, D] of one shape and dtype");
@@ -170,6 +174,12 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   TORCH_CHECK(p.Hkv > 0 && p.H % p.Hkv == 0, "query heads must be a multiple of key/value heads");
   TORCH_CHECK(p.D <= 128, "head size above 128 is not supported, got ", p.D);
   TORCH_CHECK(p.T >= p.S, "fewer keys than queries");
+  // Keys and values may be a window of a longer cache ([B, Hkv, capacity, D] sliced along T):
+  // each key row of D elements contiguous, rows D apart, any batch and head strides.
+  TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == p.D,
+              "key and value need the same strides, with contiguous rows of D elements");
+  p.kv_batch_stride = k.stride(0);
+  p.kv_head_stride = k.stride(1);
   p.scale = static_cast<float>(scale);
   p.kv_bf16 = k.scalar_type() == torch::kBFloat16;
   p.q = q.data_ptr<float>();

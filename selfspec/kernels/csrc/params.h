@@ -35,11 +35,12 @@ struct LinearParams {
 
 struct AttentionParams {
   const float* q;        // [B, S, H, D] fp32, rotated
-  const void* k;         // [B, Hkv, T, D] fp32 or bf16 (kv_bf16)
-  const void* v;         // [B, Hkv, T, D]
+  const void* k;         // [B, Hkv, T, D] fp32 or bf16 (kv_bf16); rows of D contiguous
+  const void* v;         // [B, Hkv, T, D], the same strides as k
   const float* mask;     // [B, S, T] additive fp32 (<= -1e30: masked out), or null (causal)
   float* out;            // [B, S, H, D]
   int64_t B, S, H, Hkv, T, D;
+  int64_t kv_batch_stride, kv_head_stride;  // elements between batch rows / heads of k and v
   float scale;
   bool kv_bf16;
 };
