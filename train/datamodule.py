@@ -10,6 +10,7 @@ seeded ``val_fraction`` of the training rows.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from selfspec.train.datagen.features import load_stage, row_states
 from selfspec.train.draft_vocab import response_token_counts
 from selfspec.train.shards import DistilledDataError, load_distilled
 
@@ -68,7 +70,7 @@ class DistilledDataModule(L.LightningDataModule):
         paths = [self.train_data] if isinstance(self.train_data, str) else list(self.train_data)
         if not paths:
             raise DistilledDataError("train_data names no distilled directory")
-        parts = [load_distilled(path) for path in paths]
+        parts = [_load(path) for path in paths]
         data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
         if self.max_rows is not None:
             data = data.select(range(min(self.max_rows, len(data))))
@@ -111,6 +113,8 @@ class DistilledDataModule(L.LightningDataModule):
         return response_token_counts(self.train_set, vocab_size)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "features_file" in rows[0]:  # a data-engine stage: the states are in the cache
+            rows = [row_states(row) for row in rows]
         lengths = [min(len(r["input_ids"]), self.max_length) for r in rows]
         width = max(lengths)
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, L]
@@ -131,6 +135,13 @@ class DistilledDataModule(L.LightningDataModule):
                 )
             batch["layer_ids"] = torch.tensor(np.asarray([r["layer_ids"] for r in rows]))  # [B, k]
         return batch
+
+
+def _load(path: str):
+    """A distilled directory, or a data-engine stage (with its cached features)."""
+    if (Path(path).parent / "engine.json").is_file():
+        return load_stage(path)
+    return load_distilled(path)
 
 
 def _padded_states(rows: list[dict[str, Any]], name: str, lengths: list[int], width: int):

@@ -133,7 +133,7 @@ def test_a_run_writes_every_stage_resumes_and_names_a_corrupt_shard(
     shard0 = load_distilled(out / "responses").filter(lambda r: r["source_index"] < 4)
     tensors = load_file(str(features[0]))
     for index, ids in zip(shard0["source_index"], shard0["input_ids"], strict=True):
-        assert tensors[str(index)].shape == (len(ids) - 1, 3 * 32)
+        assert tensors[str(index)].shape == (len(ids) - 1, 4 * 32)  # 3 layers + last hidden
 
     # A rerun generates nothing; its shards are the same files.
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*.arrow")}

@@ -78,8 +78,9 @@ class EngineConfig:
     max_new_tokens: int = 384
     max_prompt_tokens: int = 1024
     tap_layers: tuple[int, ...] | None = None
-    """Layers whose states are kept as features; None: EAGLE-3's default low/mid/high
-    (``default_target_layers``: 2, L//2, L-3 on SmolLM2's 30 layers); empty: no features."""
+    """Layers whose states are kept as features, with the last hidden state after them; None:
+    EAGLE-3's default low/mid/high (``default_target_layers``: 2, L//2, L-3 on SmolLM2's 30
+    layers); empty: no features."""
     features_dir: str | None = None
     """Where features go; None: ``$SELFSPEC_CACHE/datagen-features/<run name>``."""
     stages: tuple[str, ...] = STAGES
@@ -147,7 +148,8 @@ class DataEngine:
                 batch_size=config.batch_size,
                 max_prompt_tokens=config.max_prompt_tokens,
                 max_new_tokens=config.max_new_tokens,
-                tap_layers=self.tap_layers,
+                # the heads' layers, then the last hidden state (the teacher's logits)
+                tap_layers=(*self.tap_layers, layers),
             )
             if self.tap_layers
             else self.decoder
@@ -512,6 +514,7 @@ class DataEngine:
             "cpu_flags": cpu_flags(),
             "batch_size": self.config.batch_size,
             "tap_layers": list(self.tap_layers),
+            "features_dir": str(self.features.root),
             "stages": stages,
             "dedup": None if dedup is None else {k: v for k, v in dedup.items() if k != "kept"},
         }
