@@ -30,6 +30,7 @@ class ExportHeads(L.Callback):
         tau_prompts: str | None = None,
         tau_num_prompts: int = 20,
         tau_max_new_tokens: int = 128,
+        snapshot_every_tokens: int | None = None,
     ) -> None:
         """
         Args:
@@ -37,13 +38,21 @@ class ExportHeads(L.Callback):
             tau_prompts: JSONL of held-out prompts for measuring τ with the engine; None skips it.
             tau_num_prompts: how many of them (the first ones).
             tau_max_new_tokens: tokens generated per prompt.
+            snapshot_every_tokens: also export the heads (without τ) each time this many more
+                response tokens have been trained on, to ``<output_dir>-snapshots/tokens-N``
+                (``benchmarks/tau_vs_tokens.py`` measures τ against N); None: never.
         """
+        if snapshot_every_tokens is not None and snapshot_every_tokens < 1:
+            raise ValueError(f"snapshot_every_tokens must be >= 1, got {snapshot_every_tokens}")
         self.output_dir = Path(output_dir)
         self.tau_prompts = tau_prompts
         self.tau_num_prompts = tau_num_prompts
         self.tau_max_new_tokens = tau_max_new_tokens
+        self.snapshot_every_tokens = snapshot_every_tokens
         self._started = 0.0
         self._tokens = 0.0
+        self._response_tokens = 0
+        self._next_snapshot = snapshot_every_tokens
         self._batch_started = 0.0
         self._batch_seconds = 0.0
         """Wall time inside training batches (forward, backward, optimizer), validation excluded."""
@@ -60,6 +69,11 @@ class ExportHeads(L.Callback):
         self._tokens += tokens
         self._batch_seconds += seconds
         pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
+        self._response_tokens += int((batch["lengths"] - batch["prompt_len"]).sum())
+        if self._next_snapshot is not None and self._response_tokens >= self._next_snapshot:
+            if trainer.is_global_zero:
+                self.snapshot(trainer, pl_module)
+            self._next_snapshot += self.snapshot_every_tokens
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(pl_module, HeadsModule):
@@ -67,6 +81,23 @@ class ExportHeads(L.Callback):
         if trainer.is_global_zero:
             self.export(trainer, pl_module)
         trainer.strategy.barrier("selfspec-export")
+
+    def snapshot(self, trainer: L.Trainer, module: HeadsModule) -> Path:
+        """The heads as they are now, with the response tokens trained on so far (this run)."""
+        snapshots = self.output_dir.with_name(self.output_dir.name + "-snapshots")
+        out = snapshots / f"tokens-{self._response_tokens:09d}"
+        record = {
+            "kind": module.kind.value,
+            "global_step": trainer.global_step,
+            "response_tokens_seen_this_run_rank0": self._response_tokens,
+            "tokens_seen_this_run_rank0": int(self._tokens),
+        }
+        was_training = module.heads.training
+        module.heads.eval()
+        module.export(out, extra=record)
+        module.heads.train(was_training)
+        write_json(out / "metrics.json", record)
+        return out
 
     def export(self, trainer: L.Trainer, module: HeadsModule) -> dict[str, Any]:
         metrics = {
@@ -81,6 +112,7 @@ class ExportHeads(L.Callback):
             "epochs": trainer.current_epoch,
             "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
             "tokens_seen_this_run_rank0": int(self._tokens),
+            "response_tokens_seen_this_run_rank0": self._response_tokens,
             "train_tokens_per_s_rank0": round(self._tokens / max(self._batch_seconds, 1e-9), 1),
             "world_size": trainer.world_size,
             "loss_weights": vars(module.loss_weights),

@@ -73,16 +73,26 @@ def test_datagen_then_train_then_speculate_losslessly(
                 str(out),
                 "--export.tau_prompts",
                 str(prompts),
+                "--export.snapshot_every_tokens",
+                "40",
             ]
         )
         == 0
     )
     assert json.loads((out / "metrics.json").read_text())["global_step"] == 4
     assert len(batches) >= 8 and all(shape[-1] == 3 * 32 for shape in batches)
+    snapshots = sorted((tmp_path / "heads-snapshots").glob("tokens-*"))
+    assert len(snapshots) >= 2, "a snapshot per 40 response tokens trained on"
+    seen = [
+        json.loads((s / "metrics.json").read_text())["response_tokens_seen_this_run_rank0"]
+        for s in snapshots
+    ]
+    assert seen == sorted(seen) and seen[0] >= 40
 
     target = load_target(TargetSpec(model=str(chatty_target)))
     heads = load_heads(out, target.model)
     assert isinstance(heads, Eagle3Head)
+    assert isinstance(load_heads(snapshots[0], target.model), Eagle3Head)
     generator = SpeculativeGenerator(target.model, heads, target.tokenizer)
     for prompt in ("hi", "write a poem", "what is 2 + 2?"):
         ids = apply_chat_template(target.tokenizer, prompt)
