@@ -226,3 +226,17 @@ def test_max_shards_runs_a_chunk_and_the_cli_finishes_it(
     assert load_distilled_any(out / "responses") == load_distilled_any(uninterrupted / "responses")
     assert datagen_main([*args, "--round_size", "10"]) == 2  # not a multiple of shard_size
     shutil.rmtree(out)
+
+
+def test_a_grown_plan_keeps_every_finished_shard(chatty_target: Path, tmp_path: Path) -> None:
+    out = tmp_path / "grow"
+    small = _config(chatty_target, out, plan=PlanConfig(conversations=12, follow_up_share=0.5))
+    first = DataEngine(small).run()
+    assert first["prompts"].shards_done == 3
+    grown = DataEngine(_config(chatty_target, out)).run()  # 24 conversations
+    # Only the new conversations' shards are generated (each round sees the old ones as done).
+    assert grown["prompts"].shards_done == 3 and grown["prompts"].shards_skipped >= 3
+    assert grown["responses"].shards_done <= 3
+    lines = (out / "plan.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 24
+    assert DataEngine(small)._plan() == DataEngine(_config(chatty_target, out))._plan()[:12]

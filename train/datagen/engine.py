@@ -165,7 +165,10 @@ class DataEngine:
             "max_user_tokens": config.max_user_tokens,
             "max_new_tokens": config.max_new_tokens,
             "max_prompt_tokens": config.max_prompt_tokens,
-            "plan": asdict(config.plan),
+            # What a conversation's tokens depend on beyond its own plan entry (which is in its
+            # shard's key): not the plan's size, so a grown plan keeps every finished shard.
+            "seed": config.plan.seed,
+            "top_p": config.plan.top_p,
         }
         self._budget = config.max_shards
 
@@ -198,16 +201,26 @@ class DataEngine:
         return reports
 
     def _plan(self) -> list[Conversation]:
+        """The plan, from ``OUT/plan.jsonl`` when it was made with the same settings: a larger
+        plan keeps every recorded conversation and plans only the new ones (on this machine's
+        passages), a smaller one is the recorded prefix."""
         path = self.out / "plan.jsonl"
         settings = asdict(self.config.plan)
+        size = settings.pop("conversations")
+        recorded: list[Conversation] = []
         if path.is_file():
             lines = path.read_text().splitlines()
-            header = json.loads(lines[0])
-            if header.get("plan") == json.loads(json.dumps(settings)):
-                return [Conversation(**json.loads(line)) for line in lines[1:]]
-            logger.warning("%s was made with other plan settings: planning again", path)
-        conversations = plan(self.config.plan, installed_passages())
-        lines = [json.dumps({"plan": settings})] + [json.dumps(asdict(c)) for c in conversations]
+            header = json.loads(lines[0]).get("plan", {})
+            header.pop("conversations", None)
+            if header == json.loads(json.dumps(settings)):
+                recorded = [Conversation(**json.loads(line)) for line in lines[1:]]
+            else:
+                logger.warning("%s was made with other plan settings: planning again", path)
+        if len(recorded) >= size:
+            return recorded[:size]
+        conversations = recorded + plan(self.config.plan, installed_passages())[len(recorded) :]
+        header = {"plan": asdict(self.config.plan)}
+        lines = [json.dumps(header)] + [json.dumps(asdict(c)) for c in conversations]
         self.out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, "\n".join(lines) + "\n")
         return conversations
