@@ -169,7 +169,7 @@ class SpeculativeGenerator:
         self.taps = taps_for(self.drafter, self.target.body)  # EAGLE-3's layers, else None
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
-        self.default_stop_ids = _eos_ids(model, tokenizer)
+        self.default_stop_ids = eos_token_ids(model, tokenizer)
 
     def generate(
         self, prompt_ids: Sequence[int], config: GenerationConfig, scope: StepScope | None = None
@@ -600,7 +600,9 @@ def _context_limit(model: PreTrainedModel) -> int | None:
     return None
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's, the model config's and the generation
+    config's EOS ids, sorted (empty when none names one)."""
     ids: set[int] = set()
     sources = [
         getattr(tokenizer, "eos_token_id", None),

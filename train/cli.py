@@ -16,20 +16,26 @@ from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
+def _config_from_args(prog: str, description: str | None, config_class, argv):
+    """Parse ``argv`` (flags or ``--config FILE.yaml``) into an instance of the frozen
+    dataclass ``config_class``; logging configured."""
+    parser = ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
+    parser.add_class_arguments(config_class, None, as_group=False)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    values = parser.instantiate(args)
+    return config_class(**{f.name: values[f.name] for f in fields(config_class)})
+
+
 def distill_main(argv: list[str] | None = None) -> int:
     from selfspec.target import TargetLoadError
     from selfspec.train.distill import DistillConfig, distill
     from selfspec.train.memory import MemoryBudgetError
     from selfspec.train.prompts import PromptsError
 
-    parser = ArgumentParser(prog="selfspec distill", description=distill.__doc__)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
-    parser.add_class_arguments(DistillConfig, None, as_group=False)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        values = parser.instantiate(args)
-        config = DistillConfig(**{f.name: values[f.name] for f in fields(DistillConfig)})
+        config = _config_from_args("selfspec distill", distill.__doc__, DistillConfig, argv)
         report = distill(config)
     except (PromptsError, TargetLoadError, MemoryBudgetError, ValueError) as error:
         print(f"selfspec distill: error: {error}", file=sys.stderr)
@@ -62,14 +68,8 @@ def datagen_main(argv: list[str] | None = None) -> int:
     from selfspec.train.datagen.engine import DataEngine, EngineConfig
     from selfspec.train.shards import DistilledDataError
 
-    parser = ArgumentParser(prog="selfspec datagen", description=DataEngine.__doc__)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of the flags below")
-    parser.add_class_arguments(EngineConfig, None, as_group=False)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        values = parser.instantiate(args)
-        config = EngineConfig(**{f.name: values[f.name] for f in fields(EngineConfig)})
+        config = _config_from_args("selfspec datagen", DataEngine.__doc__, EngineConfig, argv)
         reports = DataEngine(config).run()
     except (TargetLoadError, DistilledDataError, ValueError) as error:
         print(f"selfspec datagen: error: {error}", file=sys.stderr)

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from selfspec.fingerprint import fingerprint_of
+from selfspec.generation import eos_token_ids
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 from selfspec.train.memory import check_fits
 from selfspec.train.prompts import BadLine, OnBadLine, PromptsError, read_prompts
@@ -291,12 +292,7 @@ def _generate_batch(
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.append(source)
-        elif isinstance(source, list | tuple):
-            ids.extend(int(i) for i in source)
+    ids = eos_token_ids(model, tokenizer)
     if not ids:
         raise ValueError("the target has no EOS token id; distillation needs one to end responses")
-    return tuple(dict.fromkeys(ids))
+    return ids

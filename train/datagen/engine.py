@@ -36,6 +36,7 @@ from tqdm import tqdm
 from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cpu_flags
 from selfspec.fingerprint import fingerprint_of
+from selfspec.generation import eos_token_ids
 from selfspec.heads.config import default_target_layers
 from selfspec.sampling import SamplingParams
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
@@ -577,15 +578,10 @@ def _read(path: Path, stage: str):
 
 
 def _stop_ids(model, tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (model.generation_config.eos_token_id, tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.append(source)
-        elif isinstance(source, list | tuple):
-            ids.extend(int(i) for i in source)
+    ids = eos_token_ids(model, tokenizer)
     if not ids:
         raise ValueError("the target has no EOS token id; the data engine needs one to end turns")
-    return tuple(dict.fromkeys(ids))
+    return ids
 
 
 def _card(record: dict[str, Any], planned: int) -> str:
