@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -41,8 +40,10 @@ from selfspec.heads.config import default_target_layers
 from selfspec.sampling import SamplingParams
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
 from selfspec.train.datagen.batch_decoder import BatchDecoder, GenerationRequest, GenerationResult
+from selfspec.train.datagen.card import write_record
 from selfspec.train.datagen.dedup import DedupConfig, near_duplicates
 from selfspec.train.datagen.features import FeatureCache
+from selfspec.train.datagen.magpie import user_message, user_turn_prompt
 from selfspec.train.datagen.passages import installed_passages
 from selfspec.train.datagen.plan import Conversation, PlanConfig, plan
 from selfspec.train.shards import (
@@ -56,7 +57,6 @@ from selfspec.train.shards import (
 )
 
 logger = logging.getLogger(__name__)
-SENTINEL = "\u2063SELFSPEC_USER_TURN\u2063"
 STAGES = ("prompts", "dedup", "responses", "followups")
 
 
@@ -282,13 +282,13 @@ class DataEngine:
             tokens = 0
             for c, request in zip(shard, requests, strict=True):
                 result = results.get(str(c.index)) if request is not None else None
-                text = self._user_text(c.opener, result)
+                text = user_message(self.tokenizer, c.opener, result)
                 tokens += len(result.response) if result is not None else 0
                 columns["index"].append(c.index)
                 columns["category"].append(c.category)
                 columns["user"].append(text or "")
                 columns["kept"].append(text is not None)
-            self._write(path, columns, key, started, tokens, _PROMPT_SCHEMA)
+            self._write(path, columns, key, started, tokens, _prompt_schema())
             return len(shard), tokens
 
         return self._run_shards("prompts", conversations, _plan_key, make)
@@ -327,6 +327,7 @@ class DataEngine:
         answer = self._answer_shard(turn=2)
 
         def make(shard, path: Path, key: str, bar) -> tuple[int, int]:
+            started = time.perf_counter()
             requests = [
                 self._user_request(c.index, c.follow_up, messages, self._seed(c.index, "user2"))
                 for c, messages in shard
@@ -335,17 +336,19 @@ class DataEngine:
             follow = []
             for (c, messages), request in zip(shard, requests, strict=True):
                 result = results.get(str(c.index)) if request is not None else None
-                text = self._user_text(c.follow_up, result)
+                text = user_message(self.tokenizer, c.follow_up, result)
                 if text is not None:
                     follow.append((c, [*messages, {"role": "user", "content": text}]))
-            rows, tokens = answer(follow, path, key, bar)
+            rows, tokens = answer(follow, path, key, bar, started)
             return rows, tokens + sum(len(r.response) for r in results.values())
 
         return self._run_shards("followups", items, _messages_key, make)
 
     def _answer_shard(self, turn: int):
-        def make(shard, path: Path, key: str, bar) -> tuple[int, int]:
-            started = time.perf_counter()
+        def make(shard, path: Path, key: str, bar, started: float | None = None):
+            """Answers ``shard``'s conversations and writes the shard; ``started``: when work on
+            it began (its recorded seconds count from there)."""
+            started = time.perf_counter() if started is None else started
             requests = []
             for c, messages in shard:
                 ids = tuple(apply_chat_template(self.tokenizer, messages))
@@ -399,7 +402,7 @@ class DataEngine:
             tokens = sum(columns["response_len"])
             if features:
                 self.features.write(path.parent.name, path.name, key, features)
-            self._write(path, columns, key, started, tokens, _RESPONSE_EXTRA, distilled=True)
+            self._write(path, columns, key, started, tokens, _response_extra(), distilled=True)
             return len(requests), tokens
 
         return make
@@ -409,35 +412,14 @@ class DataEngine:
     def _user_request(
         self, index: int, opener: str, history: list[dict[str, str]], seed: int
     ) -> GenerationRequest | None:
-        """The chat template opened at a user turn after ``history``, then ``opener``."""
-        rendered = self.tokenizer.apply_chat_template(
-            [*history, {"role": "user", "content": SENTINEL}],
-            tokenize=False,
-            add_generation_prompt=False,
-        )
-        prefix = rendered[: rendered.index(SENTINEL)] + opener.rstrip(" ")
-        ids = tuple(self.tokenizer.encode(prefix, add_special_tokens=False))
+        """The target continues ``opener`` in a user turn after ``history`` (None: too long)."""
+        ids = user_turn_prompt(self.tokenizer, history, opener)
         if len(ids) > self.config.max_prompt_tokens:
             return None
         sampling = SamplingParams(temperature=1.0, top_p=self.config.plan.top_p)
         return GenerationRequest(
             str(index), ids, self.config.max_user_tokens, sampling, seed, self.stop_ids
         )
-
-    def _user_text(self, opener: str, result: GenerationResult | None) -> str | None:
-        """The user message: the opener and the target's continuation, which ends the turn or,
-        cut at ``max_user_tokens``, is trimmed to its last sentence or line end. None when no
-        word of two letters or more remains."""
-        if result is None:
-            return None
-        tokens = list(result.response[:-1] if result.finished else result.response)
-        continuation = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if not result.finished:
-            end = max(continuation.rfind(mark) for mark in ("?", ".", "!", '"', "\n"))
-            continuation = continuation[: end + 1] if end >= 0 else ""
-        if not re.search(r"\w\w", continuation):
-            return None
-        return (opener.rstrip(" ") + continuation).strip()
 
     def _generate(self, decoder: BatchDecoder, requests, bar) -> dict[str, GenerationResult]:
         results = {}
@@ -508,50 +490,32 @@ class DataEngine:
         return out
 
     def _write_record(self, conversations: list[Conversation]) -> None:
-        stages = {}
-        for stage in ("prompts", "responses", "followups"):
-            metas = [
-                json.loads((p / "shard.json").read_text())
-                for p in sorted((self.out / stage).glob("shard-*"))
-                if finished_key(p) is not None
-            ]
-            stages[stage] = {
-                "shards": len(metas),
-                "rows": sum(m["rows"] for m in metas),
-                "generated_tokens": sum(m["generated_tokens"] for m in metas),
-                "seconds": round(sum(m["seconds"] for m in metas), 1),
-            }
-        dedup_path = self.out / "dedup.json"
-        dedup = json.loads(dedup_path.read_text()) if dedup_path.is_file() else None
         record = {
             "settings": self.settings,
             "cpu_flags": cpu_flags(),
             "batch_size": self.config.batch_size,
             "tap_layers": list(self.tap_layers),
             "features_dir": str(self.features.root),
-            "stages": stages,
-            "dedup": None if dedup is None else {k: v for k, v in dedup.items() if k != "kept"},
         }
-        write_json(self.out / "engine.json", record)
-        write_text_atomic(self.out / "README.md", _card(record, len(conversations)))
+        write_record(self.out, record, len(conversations))
 
 
-_PROMPT_SCHEMA: dict[str, Any] = {}
-_RESPONSE_EXTRA: dict[str, Any] = {}
-
-
-def _schemas() -> None:
+def _prompt_schema() -> dict[str, Any]:
     from datasets import Value
 
-    _PROMPT_SCHEMA.update(
-        index=Value("int64"), category=Value("string"), user=Value("string"), kept=Value("bool")
-    )
-    _RESPONSE_EXTRA.update(
-        category=Value("string"), temperature=Value("float32"), turn=Value("int8")
-    )
+    return {
+        "index": Value("int64"),
+        "category": Value("string"),
+        "user": Value("string"),
+        "kept": Value("bool"),
+    }
 
 
-_schemas()
+def _response_extra() -> dict[str, Any]:
+    """Columns of a response row beyond the distilled ones."""
+    from datasets import Value
+
+    return {"category": Value("string"), "temperature": Value("float32"), "turn": Value("int8")}
 
 
 def _plan_key(shard: list[Conversation]) -> list[Any]:
@@ -582,32 +546,3 @@ def _stop_ids(model, tokenizer) -> tuple[int, ...]:
     if not ids:
         raise ValueError("the target has no EOS token id; the data engine needs one to end turns")
     return ids
-
-
-def _card(record: dict[str, Any], planned: int) -> str:
-    stages = record["stages"]
-    lines = [
-        "# Dataset card: selfspec data engine run",
-        "",
-        f"Target: {record['settings']['target']} ({record['settings']['dtype']}), "
-        f"CPU flags: {' '.join(record['cpu_flags']) or 'unknown'}, batch {record['batch_size']}.",
-        f"Planned conversations: {planned}; features tapped at layers {record['tap_layers']} "
-        "(kept in a local cache, not here).",
-        "",
-        "| stage | shards | rows | generated tokens | seconds | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, s in stages.items():
-        rate = s["generated_tokens"] / s["seconds"] if s["seconds"] else 0.0
-        lines.append(
-            f"| {name} | {s['shards']} | {s['rows']} | {s['generated_tokens']} | {s['seconds']} "
-            f"| {rate:.0f} |"
-        )
-    dedup = record.get("dedup")
-    if dedup:
-        lines += ["", "| category | user turns written | kept after dedup |", "|---|---:|---:|"]
-        for name in sorted(dedup["written"]):
-            lines.append(
-                f"| {name} | {dedup['written'][name]} | {dedup['after_dedup'].get(name, 0)} |"
-            )
-    return "\n".join(lines) + "\n"
