@@ -66,7 +66,7 @@ def card(record: dict[str, Any], planned: int) -> str:
         )
     dedup = record.get("dedup")
     if dedup:
-        lines += ["", "| category | user turns written | kept after dedup |", "|---|---:|---:|"]
+        lines += ["", "| category | usable user turns | kept after dedup |", "|---|---:|---:|"]
         for name in sorted(dedup["written"]):
             kept = dedup["after_dedup"].get(name, 0)
             lines.append(f"| {name} | {dedup['written'][name]} | {kept} |")

@@ -332,7 +332,7 @@ class DataEngine:
                 self._user_request(c.index, c.follow_up, messages, self._seed(c.index, "user2"))
                 for c, messages in shard
             ]
-            results = self._generate(self.decoder, [r for r in requests if r is not None], bar)
+            results = self._generate(self.decoder, [r for r in requests if r is not None], None)
             follow = []
             for (c, messages), request in zip(shard, requests, strict=True):
                 result = results.get(str(c.index)) if request is not None else None
@@ -421,12 +421,15 @@ class DataEngine:
             str(index), ids, self.config.max_user_tokens, sampling, seed, self.stop_ids
         )
 
-    def _generate(self, decoder: BatchDecoder, requests, bar) -> dict[str, GenerationResult]:
+    def _generate(
+        self, decoder: BatchDecoder, requests, bar: tqdm | None
+    ) -> dict[str, GenerationResult]:
+        """Results by request key; ``bar`` (when given) advances one per finished request."""
         results = {}
         for result in decoder.generate(requests):
             results[result.key] = result
-            bar.update(1)
-        bar.update(0)
+            if bar is not None:
+                bar.update(1)
         return results
 
     def _seed(self, index: int, purpose: str) -> int:
