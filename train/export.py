@@ -69,7 +69,7 @@ class ExportHeads(L.Callback):
         self._tokens += tokens
         self._batch_seconds += seconds
         pl_module.log("train/tokens_per_s", tokens / max(seconds, 1e-9), prog_bar=True)
-        self._response_tokens += int((batch["lengths"] - batch["prompt_len"]).sum())
+        self._response_tokens += int((batch["lengths"] - batch["prompt_len"]).clamp(min=0).sum())
         if self._next_snapshot is not None and self._response_tokens >= self._next_snapshot:
             if trainer.is_global_zero:
                 self.snapshot(trainer, pl_module)
