@@ -15,11 +15,13 @@ from typing import Any
 
 import lightning as L
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import DataLoader
 
 from selfspec.train.datagen.features import load_stage, row_states
 from selfspec.train.draft_vocab import response_token_counts
+from selfspec.train.length_batches import LengthGroupedBatches
 from selfspec.train.shards import DistilledDataError, load_distilled
 
 
@@ -34,6 +36,7 @@ class DistilledDataModule(L.LightningDataModule):
         max_rows: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        group_by_length: bool = True,
     ) -> None:
         """
         Args:
@@ -48,7 +51,10 @@ class DistilledDataModule(L.LightningDataModule):
             max_rows: use only the first rows of train_data, the directories concatenated in
                 order (quick runs).
             num_workers: DataLoader worker processes.
-            seed: seed of the validation split.
+            seed: seed of the validation split and of the length-grouped batch order.
+            group_by_length: batch rows of similar length (``LengthGroupedBatches``: a third
+                less padding on the data engine's rows); off, or under DDP (where Lightning
+                distributes a plain shuffle), batches are drawn uniformly.
         """
         super().__init__()
         if batch_size < 1 or max_length < 3 or not 0 <= val_fraction < 1:
@@ -59,6 +65,7 @@ class DistilledDataModule(L.LightningDataModule):
         self.train_data, self.val_data = train_data, val_data
         self.val_fraction, self.batch_size, self.max_length = val_fraction, batch_size, max_length
         self.max_rows, self.num_workers, self.seed = max_rows, num_workers, seed
+        self.group_by_length = group_by_length
         self.train_set: Any = None
         self.val_set: Any = None
 
@@ -67,7 +74,9 @@ class DistilledDataModule(L.LightningDataModule):
             return
         from datasets import concatenate_datasets
 
-        paths = [self.train_data] if isinstance(self.train_data, str) else list(self.train_data)
+        paths = (
+            [self.train_data] if isinstance(self.train_data, (str, Path)) else list(self.train_data)
+        )
         if not paths:
             raise DistilledDataError("train_data names no distilled directory")
         parts = [_load(path) for path in paths]
@@ -88,6 +97,16 @@ class DistilledDataModule(L.LightningDataModule):
             self.val_set = self.val_set.with_format("numpy")
 
     def train_dataloader(self) -> DataLoader:
+        trainer = getattr(self, "trainer", None)
+        if self.group_by_length and (trainer is None or trainer.world_size == 1):
+            ids = self.train_set.with_format("arrow")["input_ids"]  # the split's rows, in order
+            lengths = np.minimum(pc.list_value_length(ids).to_numpy(), self.max_length)
+            return DataLoader(
+                self.train_set,
+                batch_sampler=LengthGroupedBatches(lengths, self.batch_size, self.seed),
+                collate_fn=self.collate,
+                num_workers=self.num_workers,
+            )
         return DataLoader(
             self.train_set,
             batch_size=self.batch_size,

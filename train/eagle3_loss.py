@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.heads.eagle import EagleCache
 from selfspec.heads.eagle3 import Eagle3Head
-from selfspec.train.losses import LossOutput, soft_kl, topk_hits
+from selfspec.train.losses import LossOutput
+from selfspec.train.soft_labels import SoftLabels
+from selfspec.train.ttt_attention import UnrolledKV
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def eagle3_unroll(
 ) -> list[torch.Tensor]:
     """The head's hidden states at each unrolled step. Each # [B, W, H] with W = L-2."""
     batch, width = input_ids.shape[0], layer_states.shape[1] - 1
-    cache = EagleCache()
+    cache = UnrolledKV()  # the attention of the mask below, from its structure
     ids = F.pad(input_ids, (0, steps))  # [B, L + steps], zeros past the end
     arange = torch.arange(width, device=input_ids.device)
     previous = head.fuse(layer_states[:, :width])  # [B, W, H] inputs of step 1: fc(g_j)
@@ -110,8 +111,7 @@ def eagle3_loss(
     mask = mask & head.t2d[nxt]
     b_idx, q_idx = mask.nonzero(as_tuple=True)  # the positions any step is labelled by
     with torch.no_grad():
-        labels = target_logits(target_features[b_idx, q_idx]).float()  # [M, N]
-        label_tokens = labels.argmax(-1)  # [M] the target's most likely draft token
+        labels = SoftLabels.from_logits(target_logits(target_features[b_idx, q_idx]))  # M rows
     row_of = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)  # [B, L-1]
     row_of[b_idx, q_idx] = torch.arange(b_idx.shape[0], device=mask.device)
     total = layer_states.new_zeros((), dtype=torch.float32)
@@ -127,16 +127,20 @@ def eagle3_loss(
         if not selected.any():
             break
         rows = row_of[:, step : step + valid][selected]  # [M_s] rows of `labels`
-        draft_logits = head.logits(hidden[:, :valid][selected]).float()  # [M_s, N]
+        draft_logits = head.logits(hidden[:, :valid][selected])  # [M_s, N]
+        tokens = labels.tokens[rows]  # [M_s] the target's most likely draft tokens
         if config.labels == "soft":
-            loss = soft_kl(draft_logits, labels[rows])
+            # rows ascend (row-major order of a subset): as many as labels means all of them
+            loss = labels.kl(draft_logits, None if rows.shape[0] == b_idx.shape[0] else rows)
         else:
-            loss = F.cross_entropy(draft_logits, label_tokens[rows])
+            loss = F.cross_entropy(draft_logits.float(), tokens)
         weight = config.step_decay ** (step - 1)
         total = total + weight * loss
         norm += weight
         k = step - 1
         parts[f"loss_head{k}"] = loss.detach()
-        parts[f"top1_head{k}"] = topk_hits(draft_logits.detach(), label_tokens[rows], 1)
-        parts[f"top5_head{k}"] = topk_hits(draft_logits.detach(), label_tokens[rows], 5)
+        top5 = draft_logits.detach().topk(min(5, draft_logits.shape[-1]), dim=-1).indices
+        hits = top5 == tokens[:, None]  # [M_s, 5]
+        parts[f"top1_head{k}"] = hits[:, 0].float().mean()
+        parts[f"top5_head{k}"] = hits.any(-1).float().mean()
     return LossOutput(loss=total / max(norm, 1e-9), parts=parts)

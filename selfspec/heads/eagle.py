@@ -10,6 +10,7 @@ architecture, so it attaches to any HF causal LM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,45 @@ class EagleCache:
             self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
         return self.keys[layer], self.values[layer]
 
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [B, heads, S, head_dim]
+        k: torch.Tensor,  # [B, kv_heads, S, head_dim]
+        v: torch.Tensor,
+        attend: torch.Tensor,  # [B, 1, S, P + S] bool, True where attention is allowed
+    ) -> torch.Tensor:
+        """Append this call's keys and values to ``layer``'s, attend over all.
+        # [B, heads, S, head_dim]"""
+        k, v = self.append(layer, k, v)  # [B, kv_heads, P + S, head_dim]
+        return attention(q, k, v, attend)
+
     def crop(self, length: int) -> None:
         self.keys = [k[..., :length, :] for k in self.keys]
         self.values = [v[..., :length, :] for v in self.values]
+
+
+class AttentionCache(Protocol):
+    """What a head layer attends through: ``EagleCache`` in drafting; training may pass a cache
+    that knows the structure of its mask and computes the same attention faster."""
+
+    @property
+    def length(self) -> int: ...
+
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+def attention(
+    q: torch.Tensor,  # [B, heads, S, head_dim]
+    k: torch.Tensor,  # [B, kv_heads, P + S, head_dim]
+    v: torch.Tensor,
+    attend: torch.Tensor,  # [B, 1, S, P + S] bool
+) -> torch.Tensor:
+    """Masked attention, key/value heads shared by groups of query heads. # [B, heads, S, hd]"""
+    grouped = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=grouped)
 
 
 def rotary(
@@ -87,7 +124,7 @@ class EagleDecoderLayer(nn.Module):
         x: torch.Tensor,  # [B, S, H]
         rope: tuple[torch.Tensor, torch.Tensor],  # each [B, 1, S, head_dim]
         attend: torch.Tensor,  # [B, 1, S, P + S] bool, True where attention is allowed
-        cache: EagleCache | None,
+        cache: AttentionCache | None,
         layer_index: int,
     ) -> torch.Tensor:
         batch, seq, hidden = x.shape
@@ -96,9 +133,10 @@ class EagleDecoderLayer(nn.Module):
             t.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)
         )
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, heads, S, head_dim]
-        if cache is not None:
-            k, v = cache.append(layer_index, k, v)  # [B, heads, P + S, head_dim]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)  # [B, heads, S, hd]
+        if cache is None:
+            attn = attention(q, k, v, attend)  # [B, heads, S, head_dim]
+        else:
+            attn = cache.attention(layer_index, q, k, v, attend)
         x = x + self.out(attn.transpose(1, 2).reshape(batch, seq, hidden))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

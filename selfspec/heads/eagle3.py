@@ -26,7 +26,13 @@ from torch import nn
 
 from selfspec.heads.config import HeadKind, HeadsConfig
 from selfspec.heads.draft_vocab import check_draft_vocab
-from selfspec.heads.eagle import EagleCache, apply_rotary, causal_attend, rotary
+from selfspec.heads.eagle import (
+    AttentionCache,
+    apply_rotary,
+    attention,
+    causal_attend,
+    rotary,
+)
 from selfspec.heads.registry import register_heads
 
 
@@ -48,18 +54,15 @@ class Eagle3Attention(nn.Module):
         x: torch.Tensor,  # [B, S, 2H]
         rope: tuple[torch.Tensor, torch.Tensor],  # each [B, 1, S, head_dim]
         attend: torch.Tensor,  # [B, 1, S, P + S] bool, True where attention is allowed
-        cache: EagleCache | None,
+        cache: AttentionCache | None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [B, heads, S, head_dim]
-        if cache is not None:
-            k, v = cache.append(0, k, v)  # [B, kv_heads, P + S, head_dim]
-        attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attend, enable_gqa=self.kv_heads != self.num_heads
-        )  # [B, heads, S, head_dim]
+        # [B, heads, S, head_dim]
+        attn = attention(q, k, v, attend) if cache is None else cache.attention(0, q, k, v, attend)
         return self.o_proj(attn.transpose(1, 2).reshape(batch, seq, -1))  # [B, S, H]
 
 
@@ -96,7 +99,7 @@ class Eagle3DecoderLayer(nn.Module):
         features: torch.Tensor,  # [B, S, H]
         rope: tuple[torch.Tensor, torch.Tensor],
         attend: torch.Tensor,  # [B, 1, S, P + S] bool
-        cache: EagleCache | None,
+        cache: AttentionCache | None,
     ) -> torch.Tensor:
         joined = torch.cat([self.input_layernorm(token_embeds), self.hidden_norm(features)], -1)
         x = features + self.self_attn(joined, rope, attend, cache)  # [B, S, H]
@@ -170,7 +173,7 @@ class Eagle3Head(nn.Module):
         features: torch.Tensor,  # [B, S, H] fused feature at t, or the head's own output at t
         positions: torch.Tensor,  # [B, S] positions of token t+1
         attend: torch.Tensor | None = None,  # [B, 1, S, P + S] bool; None = causal over cache+S
-        cache: EagleCache | None = None,
+        cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         """The head's hidden state at the input tokens' positions (pre-norm; the next step's
         feature). # [B, S, H]"""

@@ -1,0 +1,50 @@
+"""Length-grouped batches: every row once per epoch, similar lengths together, seeded order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from selfspec.train.length_batches import LengthGroupedBatches
+
+
+def test_every_row_once_and_batches_far_more_uniform_than_random() -> None:
+    lengths = np.random.default_rng(0).integers(10, 500, size=1003)
+    sampler = LengthGroupedBatches(lengths, batch_size=4, seed=3, group=16)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 251
+    assert sorted(sum(batches, [])) == list(range(1003))
+    padding = sum(len(b) * lengths[b].max() - lengths[b].sum() for b in batches)
+    shuffled = np.random.default_rng(1).permutation(1003)
+    random_padding = sum(
+        4 * lengths[shuffled[i : i + 4]].max() - lengths[shuffled[i : i + 4]].sum()
+        for i in range(0, 1003, 4)
+    )
+    assert padding < 0.2 * random_padding
+
+
+def test_order_is_seeded_and_changes_with_the_epoch() -> None:
+    lengths = list(range(100))
+    first = list(LengthGroupedBatches(lengths, 4, seed=0))
+    assert first == list(LengthGroupedBatches(lengths, 4, seed=0))
+    sampler = LengthGroupedBatches(lengths, 4, seed=0)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="batch_size >= 1"):
+        LengthGroupedBatches([1, 2], batch_size=0)
+
+
+def test_the_datamodule_batches_by_length_unless_told_not_to(distilled) -> None:
+    from selfspec.train.datamodule import DistilledDataModule
+
+    grouped = DistilledDataModule(distilled, batch_size=2, val_fraction=0)
+    grouped.setup()
+    loader = grouped.train_dataloader()
+    assert isinstance(loader.batch_sampler, LengthGroupedBatches)
+    assert sum(len(b["lengths"]) for b in loader) == len(grouped.train_set)
+    plain = DistilledDataModule(distilled, batch_size=2, val_fraction=0, group_by_length=False)
+    plain.setup()
+    assert not isinstance(plain.train_dataloader().batch_sampler, LengthGroupedBatches)
