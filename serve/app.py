@@ -32,6 +32,7 @@ from selfspec.heads import load_heads
 from selfspec.sampling import SamplingParams
 from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
+from selfspec.serve.guard import AccessPolicy, Guard
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
 from selfspec.stats import GenerationStats
@@ -59,6 +60,11 @@ class ServerState:
     batch_verify: bool = True
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    """API key, allowed hosts, body limit (see ``serve.guard``)."""
+    request_timeout: float | None = None
+    """Seconds a request may take from admission to its last token; then it is cancelled and
+    answered 504 (a stream ends with an error event). None: no deadline."""
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine: Engine = field(init=False)
@@ -116,6 +122,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.selfspec = state
+    app.add_middleware(Guard, policy=state.access)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -164,6 +171,11 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _json_body(request)
         _check_management(state)
         name, path = _str_field(body, "lora_name"), _str_field(body, "lora_path")
+        if name == state.model_name:
+            raise bad_request(
+                f"{name!r} is the base model's name: an adapter under it could not be reached",
+                "lora_name",
+            )
         if state.store.root is None:
             raise bad_request(
                 "runtime loading needs an adapters root (--adapters-root); adapters are only "
@@ -178,12 +190,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> JSONResponse:
+        """Drain, then unload: requests naming the adapter get 404 from now on, those running
+        finish (up to --drain-timeout), then its weights go. ``"wait": false``: 409 at once
+        while any request runs on it."""
         body = await _json_body(request)
         _check_management(state)
         name = _str_field(body, "lora_name")
+        wait = body.get("wait", True)
+        if not isinstance(wait, bool):
+            raise bad_request("'wait' must be true or false", "wait")
         with state.lock:
             if name not in state.served:
                 raise not_found(f"adapter {name!r} is not loaded", "lora_name")
+        busy = state.engine.in_flight(name)
+        if busy and not wait:
+            raise _adapter_busy(name, busy, "")
         await run_in_threadpool(_unload_adapter, state, name)
         return JSONResponse({"status": "ok", "adapter": name})
 
@@ -197,7 +218,8 @@ async def _serve(
     state: ServerState, request: Request, parsed: ParsedRequest, chat: bool
 ) -> Response:
     adapter = _adapter_for(state, parsed.model)
-    prompt_ids = _prompt_ids(state, parsed)
+    # Off the event loop: a long prompt takes a while to tokenize, and /health must answer.
+    prompt_ids = await run_in_threadpool(_prompt_ids, state, parsed)
     speculate = state.can_speculate if parsed.speculation is None else parsed.speculation
     if speculate and not state.can_speculate:
         raise bad_request(
@@ -260,7 +282,7 @@ async def _serve(
             raise bad_request(str(error)) from error
     label = adapter or state.model_name
     handle = state.engine.submit(streams, adapter, label, speculate, asyncio.get_running_loop())
-    reply = _Reply(parsed, chat, len(prompt_ids), speculate, handle)
+    reply = _Reply(parsed, chat, len(prompt_ids), speculate, handle, state.request_timeout)
     if parsed.stream:
         return StreamingResponse(
             reply.sse(request),
@@ -284,8 +306,10 @@ class _Reply:
         prompt_tokens: int,
         speculate: bool,
         handle: RequestHandle,
+        timeout: float | None = None,
     ) -> None:
         self.parsed = parsed
+        self.timeout = timeout
         self.chat = chat
         self.prompt_tokens = prompt_tokens
         self.speculate = speculate
@@ -303,10 +327,17 @@ class _Reply:
         disconnects; the finally below then cancels the request."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
+        deadline = None if self.timeout is None else checked + self.timeout
         left = self.parsed.n
         try:
             while left:
-                event = await self.handle.next_event(DISCONNECT_POLL_S)
+                wait = DISCONNECT_POLL_S
+                if deadline is not None:
+                    if loop.time() >= deadline:
+                        yield Event("error", error=_timed_out(self.timeout))
+                        return  # the finally below cancels the request
+                    wait = min(wait, deadline - loop.time())
+                event = await self.handle.next_event(wait)
                 if poll and loop.time() - checked >= DISCONNECT_POLL_S:
                     checked = loop.time()
                     if await request.is_disconnected():
@@ -437,6 +468,16 @@ class _Reply:
         }
 
 
+def _timed_out(timeout: float | None) -> APIError:
+    return APIError(
+        504,
+        f"the request did not finish within this server's limit of {timeout:g} s "
+        "(--request-timeout); it was cancelled",
+        "timeout_error",
+        code="request_timeout",
+    )
+
+
 def _cancelled() -> APIError:
     return APIError(503, "the request was cancelled (server shutting down)", "service_unavailable")
 
@@ -445,11 +486,24 @@ def _cancelled() -> APIError:
 
 
 async def _json_body(request: Request) -> Any:
+    """The parsed body; 400 for anything json.loads refuses or Python cannot represent: bad
+    syntax or encoding, nesting deeper than the parser's recursion, integers of more than 4,300
+    digits, lone surrogates (text no tokenizer can encode)."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        body = json.loads(raw)
+    except RecursionError as error:
+        raise bad_request("the request body is nested too deeply") from error
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {error}") from error
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise bad_request(
+            "the request body holds a string that is not valid Unicode (a lone surrogate "
+            f"escape such as \\ud800): {error.reason}"
+        ) from error
+    return body
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -533,9 +587,24 @@ def _unload_adapter(state: ServerState, name: str) -> None:
     with state.lock:
         state.served.discard(name)  # no new request may name it from now on
         state._generators.pop(name, None)  # running requests keep theirs; a reload reads anew
+    if not state.engine.wait_for_adapter(name, state.drain_timeout):
+        with state.lock:
+            state.served.add(name)
+        busy = state.engine.in_flight(name)
+        raise _adapter_busy(name, busy, f" after waiting {state.drain_timeout:g} s")
     try:
         state.store.unload(name)
     except AdapterError as error:
         with state.lock:
             state.served.add(name)
         raise bad_request(f"cannot unload adapter {name!r}: {error}", "lora_name") from error
+    state.metrics.forget(name)
+
+
+def _adapter_busy(name: str, busy: int, waited: str) -> APIError:
+    return APIError(
+        409,
+        f"adapter {name!r} still has {busy} request(s) in flight{waited}; not unloaded",
+        param="lora_name",
+        code="adapter_busy",
+    )

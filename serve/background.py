@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from selfspec.serve.app import ServerState, create_app
+from selfspec.serve.draining import DrainingServer
 
 START_TIMEOUT_S = 30.0
 
@@ -30,7 +31,8 @@ def free_port() -> int:
 def running_server(
     state: ServerState, graceful_shutdown_s: int = 10
 ) -> Iterator[tuple[str, uvicorn.Server]]:
-    """(base URL, uvicorn server) of `state` served on 127.0.0.1; stopped (drained) on exit."""
+    """(base URL, uvicorn server) of `state` served on 127.0.0.1; stopped on exit (in-flight
+    requests get uvicorn's graceful timeout; ``server.drain()`` drains first)."""
     config = uvicorn.Config(
         create_app(state),
         host="127.0.0.1",
@@ -38,7 +40,7 @@ def running_server(
         log_level="warning",
         timeout_graceful_shutdown=graceful_shutdown_s,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, state)
     thread = threading.Thread(target=server.run, name="selfspec-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -7,15 +7,18 @@ runs on the adapter its ``model`` field names; the base model's name selects no 
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
 from selfspec.modes import DTYPE_HELP, KERNELS_HELP, check_dtype
+from selfspec.serve.guard import DEFAULT_MAX_BODY_BYTES
 from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec serve"
+API_KEY_ENV = "SELFSPEC_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,32 @@ class ServeArgs:
             "chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"
         },
     )
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "require 'Authorization: Bearer KEY' on every route but /health (and "
+            f"/metrics with --public-metrics); default: ${API_KEY_ENV} when set (preferred: a "
+            "command line is visible to every local user)"
+        },
+    )
+    public_metrics: bool = field(
+        default=False, metadata={"help": "/metrics answers without the API key"}
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "host names the Host header may carry ('*': any); default: loopback names "
+            "when listening on loopback, any otherwise"
+        },
+    )
+    max_body_bytes: int = field(
+        default=DEFAULT_MAX_BODY_BYTES,
+        metadata={"help": "larger request bodies are answered 413"},
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={"help": "seconds a request may run before it is cancelled (504); default none"},
+    )
     dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
@@ -103,6 +132,12 @@ class ServeArgs:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
         check_dtype(self.dtype)
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be > 0, got {self.request_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
         if self.lora_backend not in ("fast", "peft"):
             raise ValueError(f"--lora-backend must be fast or peft, got {self.lora_backend!r}")
 
@@ -114,6 +149,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
     from selfspec.serve.app import ServerState
+    from selfspec.serve.guard import AccessPolicy
     from selfspec.shipped import resolve_heads_dir
     from selfspec.target import TargetSpec, load_target
 
@@ -151,6 +187,15 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,
+        access=AccessPolicy.for_bind_address(
+            args.host,
+            _is_loopback(args.host),
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            public_metrics=args.public_metrics,
+            allowed_hosts=args.allowed_hosts,
+            max_body_bytes=args.max_body_bytes,
+        ),
+        request_timeout=args.request_timeout,
     )
 
 
@@ -170,6 +215,7 @@ def main(argv: Sequence[str]) -> int:
     import uvicorn
 
     from selfspec.serve.app import create_app
+    from selfspec.serve.draining import DrainingServer
 
     try:
         state = build_state(args)
@@ -177,10 +223,10 @@ def main(argv: Sequence[str]) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host):
+    if not _is_loopback(args.host) and state.access.api_key is None:
         print(
-            f"{PROG}: warning: listening on {args.host}, not only on this machine; "
-            "there is no authentication",
+            f"{PROG}: warning: listening on {args.host}, not only on this machine, without an "
+            f"API key (--api-key or ${API_KEY_ENV})",
             file=sys.stderr,
         )
     store = state.store
@@ -193,10 +239,14 @@ def main(argv: Sequence[str]) -> int:
     if state.served:
         example = sorted(state.served)[0]
         print(f'  (set "model" to an adapter, e.g. "{example}"; GET /v1/models lists them)')
-    app = create_app(state)
-    uvicorn.run(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=int(args.drain_timeout)
+    config = uvicorn.Config(
+        create_app(state),
+        host=args.host,
+        port=args.port,
+        # After the drain (DrainingServer), open responses get a few seconds to send their end.
+        timeout_graceful_shutdown=5,
     )
+    DrainingServer(config, state).run()
     return 0
 
 

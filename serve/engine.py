@@ -196,6 +196,23 @@ class Engine:
                 "peak_running": self.peak_running,
             }
 
+    def in_flight(self, adapter: str) -> int:
+        """Admitted jobs (waiting or running) on ``adapter``."""
+        with self._cond:
+            return sum(job.adapter == adapter for job in [*self._waiting, *self._running])
+
+    def wait_for_adapter(self, adapter: str, timeout: float) -> bool:
+        """Wait until no admitted job runs on ``adapter`` (their pins released), at most
+        ``timeout`` seconds. True if none is left."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(job.adapter == adapter for job in [*self._waiting, *self._running]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
     # -- requests ----------------------------------------------------------------------------
 
     def submit(
@@ -231,9 +248,9 @@ class Engine:
                 self.metrics.requests.labels(label, "rejected").inc(len(jobs))
                 needs = f"; this request needs {len(jobs)} places (n)" if len(jobs) > 1 else ""
                 raise overloaded(
-                    f"the server is full: {len(self._running)} requests running and "
-                    f"{len(self._waiting)} waiting (max_queue={self.max_queue}){needs}; "
-                    "retry later"
+                    f"the server is full: {in_flight} requests admitted of "
+                    f"{self.max_running + self.max_queue} places (max_running "
+                    f"{self.max_running} + max_queue {self.max_queue}){needs}; retry later"
                 )
             handle.jobs = jobs
             self._waiting.extend(jobs)

@@ -89,6 +89,20 @@ class ServerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self._by_adapter = (
+            self.requests,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.latency,
+            self.ttft,
+            self.queue_wait,
+            self.spec_steps,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+            self.spec_reached_depth,
+            self.spec_accepted_at_depth,
+        )
+        """Every metric whose first label is the adapter."""
         self.running = Gauge("selfspec_requests_running", "Requests being decoded", registry=r)
         self.waiting = Gauge(
             "selfspec_requests_waiting", "Requests admitted but not yet started", registry=r
@@ -108,6 +122,14 @@ class ServerMetrics:
             accepted = sum(s.accepted >= depth for s in steps)
             self.spec_reached_depth.labels(adapter, str(depth)).inc(reached)
             self.spec_accepted_at_depth.labels(adapter, str(depth)).inc(accepted)
+
+    def forget(self, adapter: str) -> None:
+        """Drop every series labelled with ``adapter`` (it was unloaded): runtime-loaded names
+        must not grow the exposition without bound."""
+        for metric in self._by_adapter:
+            # prometheus_client keeps a labelled metric's children by their label values.
+            for values in [v for v in list(metric._metrics) if v[0] == adapter]:
+                metric.remove(*values)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

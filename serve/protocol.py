@@ -67,7 +67,8 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
         value = body.get(name, default)
         if value not in (default, None) and not (value is False and default is None):
             raise bad_request(
-                f"'{name}' is not supported by this server (got {value!r}); leave it out", name
+                f"'{name}' is not supported by this server (got {_shown(value)}); leave it out",
+                name,
             )
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -75,7 +76,8 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
     n = _int(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(
-            f"'n' (number of choices) must be an integer in [1, {MAX_CHOICES}], got {n}", "n"
+            f"'n' (number of choices) must be an integer in [1, {MAX_CHOICES}], got {_shown(n)}",
+            "n",
         )
     prompt = None
     messages = None
@@ -99,10 +101,12 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = _int(body, "top_k", 0)
     if top_k < -1:
-        raise bad_request(f"'top_k' must be >= 1, or 0 / -1 for no limit, got {top_k}", "top_k")
+        raise bad_request(
+            f"'top_k' must be >= 1, or 0 / -1 for no limit, got {_shown(top_k)}", "top_k"
+        )
     seed = _int(body, "seed", None)
     if seed is not None and not -(2**63) <= seed < 2**63:
-        raise bad_request(f"'seed' must be a 64-bit signed integer, got {seed}", "seed")
+        raise bad_request(f"'seed' must be a 64-bit signed integer, got {_shown(seed)}", "seed")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -132,12 +136,18 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
     )
 
 
+def _shown(value: object, limit: int = 40) -> str:
+    """A value as an error message shows it: cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {value!r}", name)
+        raise bad_request(f"'{name}' must be an integer, got {_shown(value)}", name)
     return value
 
 
@@ -145,9 +155,13 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request(f"'{name}' must be a finite number, got {value!r}", name)
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, int | float) else math.nan
+    except OverflowError:  # an integer beyond any float
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise bad_request(f"'{name}' must be a finite number, got {_shown(value)}", name)
+    return number
 
 
 def _bool(
@@ -157,7 +171,8 @@ def _bool(
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{label or name}' must be true or false, got {value!r}", label or name)
+        shown = label or name
+        raise bad_request(f"'{shown}' must be true or false, got {_shown(value)}", shown)
     return value
 
 
