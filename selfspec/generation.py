@@ -24,6 +24,7 @@ from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
+from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
@@ -59,10 +60,20 @@ class GenerationConfig:
     tree: TreeSpec | None = None
     """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
     draft_sampling: DraftSampling = DraftSampling.TOP_K
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each generated token's, with its k best alternatives
+    (``selfspec.logprobs``)."""
+    prompt_logprobs: bool = False
+    """Also score the prompt's tokens (each under the positions before it; the first has none).
+    Costs the lm_head over the whole prompt."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
+            )
         if any(not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -82,6 +93,10 @@ class StepOutput:
     """Tokens committed by this step (after stop truncation)."""
     text: str
     """Text delta for these tokens ("" without a tokenizer)."""
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``token_ids`` when the request asked for log-probabilities."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The first output only, when asked for: one per prompt token (None for the first)."""
 
 
 @dataclass
@@ -90,6 +105,10 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token, when asked for."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token (None for the first), when asked for."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -129,6 +148,11 @@ class RequestState:
     draft_features: torch.Tensor | None = None
     """With taps: the tapped states of the last verification forward's tree # [T, k * H], set
     by that forward (``verify``, ``selfspec.batched_verify``) and taken by ``conclude``."""
+    logprobs: list[TokenLogprob] | None = None
+    """With ``GenerationConfig.logprobs``: the committed tokens' log-probabilities."""
+    step_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Those of the tokens the last prefill / step chose, until the stream commits them."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def calibration(self) -> float:
@@ -256,6 +280,15 @@ class SpeculativeGenerator:
             root_token=first,
             taps=taps,
         )
+        if config.logprobs is not None:
+            state.logprobs = []
+            chosen = torch.tensor([first], device=logits.device)
+            state.step_logprobs = token_logprobs(logits[None], chosen, config.logprobs)
+            if config.prompt_logprobs:
+                with record_function("selfspec.prompt_logprobs"):
+                    rows = self.target.logits(features[:-1])  # [S-1, vocab]
+                    scored = token_logprobs(rows, prompt[1:], config.logprobs)
+                state.prompt_logprobs = [None, *scored]
         if config.speculate:
             # What the drafter reads: the last hidden states, or the tapped layers # [S, k * H]
             draft_features = features if tapped is None else tapped.stacked()[0]
@@ -365,6 +398,12 @@ class SpeculativeGenerator:
                     verdict.bonus,
                 )
         state.root_token = verdict.bonus
+        if config.logprobs is not None:
+            # Token i of the path (and then the bonus) was chosen by the row of its parent.
+            chosen = torch.cat([accepted_tokens[1:], accepted_tokens.new_tensor([verdict.bonus])])
+            with record_function("selfspec.logprobs"):
+                rows = logits[verdict.accepted.to(logits.device)]  # [A, vocab]
+                state.step_logprobs = token_logprobs(rows, chosen, config.logprobs)
         state.overhead_seconds = _moving_average(
             state.overhead_seconds, elapsed_seconds(started, logits.device)
         )
@@ -452,6 +491,7 @@ class GenerationStream:
         state.stats.prompt_tokens = len(self._prompt_ids)
         state.stats.prefill_seconds = time.perf_counter() - started
         output = self._commit(state, [state.root_token], self._stop_ids)
+        output.prompt_logprobs = state.prompt_logprobs
         self._decode_started = time.perf_counter()
         self._finish_if_stopped(state)
         return output
@@ -508,6 +548,8 @@ class GenerationStream:
             text=state.text,
             finish_reason=state.finish_reason,
             stats=state.stats,
+            logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _commit(self, state: RequestState, tokens: list[int], stop_ids: set[int]) -> StepOutput:
@@ -523,8 +565,13 @@ class GenerationStream:
                 state.finish_reason = FinishReason.LENGTH
                 break
         state.token_ids.extend(kept)
+        logprobs = None
+        if state.logprobs is not None:
+            logprobs = state.step_logprobs[: len(kept)]
+            state.logprobs.extend(logprobs)
+            state.step_logprobs = []
         if self._owner.tokenizer is None:
-            return StepOutput(token_ids=kept, text="")
+            return StepOutput(token_ids=kept, text="", logprobs=logprobs)
         text = self._owner.tokenizer.decode(state.token_ids, skip_special_tokens=True)
         cut = _first_stop(text, config.stop_strings, len(state.text))
         if cut is not None:
@@ -540,7 +587,7 @@ class GenerationStream:
                 visible = min(visible, len(text) - max(map(len, config.stop_strings)) + 1)
         delta = text[state.streamed_chars : max(visible, state.streamed_chars)]
         state.streamed_chars += len(delta)
-        return StepOutput(token_ids=kept, text=delta)
+        return StepOutput(token_ids=kept, text=delta, logprobs=logprobs)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | None:

@@ -29,10 +29,12 @@ from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
 from selfspec.heads import load_heads
+from selfspec.logprobs import TokenLogprob
 from selfspec.sampling import SamplingParams
 from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
 from selfspec.serve.guard import AccessPolicy, Guard
+from selfspec.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
 from selfspec.stats import GenerationStats
@@ -68,6 +70,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     engine: Engine = field(init=False)
+    texts: TokenTexts = field(init=False)
+    """Token id -> text, for log-probabilities."""
     served: set[str] = field(init=False)
     """Adapters requests may name: the store's at start, plus runtime loads, minus unloads."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -78,6 +82,7 @@ class ServerState:
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        self.texts = TokenTexts(self.tokenizer)
         self.engine = Engine(
             self.store, self.metrics, self.max_running, self.max_queue, self.batch_verify
         )
@@ -270,6 +275,8 @@ async def _serve(
         stop_token_ids=() if parsed.ignore_eos else None,
         speculate=speculate,
         tree=state.tree,
+        logprobs=parsed.logprobs,
+        prompt_logprobs=parsed.echo and parsed.logprobs is not None,
     )
     streams = []
     for index in range(parsed.n):
@@ -282,7 +289,7 @@ async def _serve(
             raise bad_request(str(error)) from error
     label = adapter or state.model_name
     handle = state.engine.submit(streams, adapter, label, speculate, asyncio.get_running_loop())
-    reply = _Reply(parsed, chat, len(prompt_ids), speculate, handle, state.request_timeout)
+    reply = _Reply(parsed, chat, prompt_ids, speculate, handle, state.request_timeout, state.texts)
     if parsed.stream:
         return StreamingResponse(
             reply.sse(request),
@@ -303,15 +310,22 @@ class _Reply:
         self,
         parsed: ParsedRequest,
         chat: bool,
-        prompt_tokens: int,
+        prompt_ids: list[int],
         speculate: bool,
         handle: RequestHandle,
-        timeout: float | None = None,
+        timeout: float | None,
+        texts: TokenTexts,
     ) -> None:
         self.parsed = parsed
         self.timeout = timeout
         self.chat = chat
-        self.prompt_tokens = prompt_tokens
+        self.prompt_ids = prompt_ids
+        self.prompt_tokens = len(prompt_ids)
+        self.texts = texts
+        self.echo_text = ""
+        if parsed.echo:
+            prompt = parsed.prompt
+            self.echo_text = prompt if isinstance(prompt, str) else texts.text_of(prompt)
         self.speculate = speculate
         self.handle = handle
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -375,10 +389,23 @@ class _Reply:
             for index in range(self.parsed.n):
                 yield _sse(self._chunk({"role": "assistant", "content": ""}, None, index))
         results: dict[int, GenerationResult] = {}
+        offsets: dict[int, int] = {}  # completions: characters of each choice's text so far
         async for event in self._events(request, poll=False):
-            if event.kind == "delta" and event.output.text:
-                delta = {"content": event.output.text} if self.chat else event.output.text
-                yield _sse(self._chunk(delta, None, event.index))
+            index = event.index
+            if event.kind == "delta" and self.parsed.echo and index not in offsets:
+                scored = event.output.prompt_logprobs  # the prompt first, scored when asked
+                logprobs = None if scored is None else self._logprobs(scored, self.prompt_ids)
+                yield _sse(self._chunk(self.echo_text, None, index, logprobs))
+                offsets[index] = len(self.echo_text)
+            wanted = self.parsed.logprobs is not None and event.kind == "delta"
+            if event.kind == "delta" and (event.output.text or (wanted and event.output.token_ids)):
+                output, offset = event.output, offsets.get(index, 0)
+                delta = {"content": output.text} if self.chat else output.text
+                logprobs = (
+                    self._logprobs(output.logprobs, output.token_ids, offset) if wanted else None
+                )
+                yield _sse(self._chunk(delta, None, index, logprobs))
+                offsets[index] = offset + len(output.text)
             elif event.kind == "done":
                 results[event.index] = result = event.result
                 final = self._chunk(
@@ -407,12 +434,28 @@ class _Reply:
             "model": self.parsed.model,
         }
 
-    def _chunk(self, delta: Any, finish_reason: str | None, index: int) -> dict[str, Any]:
+    def _logprobs(
+        self, items: list[TokenLogprob | None] | None, token_ids: list[int], offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The log-probabilities of ``token_ids`` in this endpoint's shape."""
+        if items is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.texts, [item for item in items if item is not None])
+        return completion_logprobs(self.texts, items, token_ids, offset)
+
+    def _chunk(
+        self,
+        delta: Any,
+        finish_reason: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice.update(delta=delta, logprobs=None, finish_reason=finish_reason)
+            choice.update(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         else:
-            choice.update(text=delta, logprobs=None, finish_reason=finish_reason)
+            choice.update(text=delta, logprobs=logprobs, finish_reason=finish_reason)
         chunk = self._base()
         chunk["choices"] = [choice]
         if self.parsed.include_usage:
@@ -426,8 +469,9 @@ class _Reply:
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
-                choice.update(text=result.text)
-            choice.update(logprobs=None, finish_reason=result.finish_reason.value)
+                choice.update(text=self.echo_text + result.text)
+            choice.update(logprobs=self._result_logprobs(result))
+            choice.update(finish_reason=result.finish_reason.value)
             choices.append(choice)
         return {
             "id": self.id,
@@ -438,6 +482,16 @@ class _Reply:
             "usage": self._usage(results),
             "selfspec": self._stats(results),
         }
+
+    def _result_logprobs(self, result: GenerationResult) -> dict[str, Any] | None:
+        if self.parsed.logprobs is None:
+            return None
+        items: list[TokenLogprob | None] = list(result.logprobs or [])
+        token_ids = list(result.token_ids)
+        if self.parsed.echo:  # the prompt's scores first (its first token has none)
+            items = [*(result.prompt_logprobs or [None] * len(self.prompt_ids)), *items]
+            token_ids = [*self.prompt_ids, *token_ids]
+        return self._logprobs(items, token_ids)
 
     def _usage(self, results: list[GenerationResult]) -> dict[str, int]:
         """The prompt counted once (as OpenAI does), completion tokens summed over choices."""

@@ -2,7 +2,7 @@
 
 Validation is explicit rather than through pydantic models so each message says which field is
 wrong and what was expected, in the OpenAI error shape, and so options we do not implement
-(logprobs, penalties, ...) are refused by name instead of silently ignored.
+(penalties, logit_bias, tools, ...) are refused by name instead of silently ignored.
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from selfspec.logprobs import MAX_TOP_LOGPROBS
 from selfspec.serve.errors import bad_request
 
 UNSUPPORTED: dict[str, object] = {
     # field -> the only value accepted (the OpenAI default); anything else is refused by name.
-    "logprobs": None,
-    "top_logprobs": None,
-    "echo": False,
     "best_of": 1,
     "presence_penalty": 0,
     "frequency_penalty": 0,
@@ -54,6 +52,12 @@ class ParsedRequest:
     ignore_eos: bool
     n: int = 1
     """Choices: independent generations of the prompt (choice i seeded with seed + i)."""
+    logprobs: int | None = None
+    """None: no log-probabilities; k: each token's, with its k best alternatives (chat:
+    ``logprobs: true`` + ``top_logprobs: k``; completions: ``logprobs: k``)."""
+    echo: bool = False
+    """Completions: the prompt is repeated before the completion (with its log-probabilities
+    when they are asked for)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -81,13 +85,27 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
         )
     prompt = None
     messages = None
+    echo = False
     if chat:
+        logprobs = _chat_logprobs(body)
         messages = _messages(body.get("messages"))
         max_tokens = _int(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _int(body, "max_tokens", None)
         field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     else:
+        if "top_logprobs" in body and body["top_logprobs"] is not None:
+            raise bad_request(
+                "'top_logprobs' is a chat option; completions take 'logprobs': <count>",
+                "top_logprobs",
+            )
+        logprobs = _int(body, "logprobs", None)
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs}",
+                "logprobs",
+            )
+        echo = bool(_bool(body, "echo", False))
         prompt = _prompt(body.get("prompt"))
         max_tokens = _int(body, "max_tokens", None)
         field = "max_tokens"
@@ -133,7 +151,23 @@ def parse_request(body: object, chat: bool) -> ParsedRequest:
         speculation=_bool(body, "speculation", None),
         ignore_eos=_bool(body, "ignore_eos", False),
         n=n,
+        logprobs=logprobs,
+        echo=echo,
     )
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (0..20, only with logprobs)."""
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_shown(top)}",
+            "top_logprobs",
+        )
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _shown(value: object, limit: int = 40) -> str:
