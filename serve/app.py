@@ -59,6 +59,8 @@ class ServerState:
     """Every speculative request's tree; None: the generator's default (adaptive with a curve)."""
     max_running: int = 16
     max_queue: int = 64
+    max_queue_per_adapter: int | None = None
+    """Waiting places one adapter may hold; None: three quarters of max_queue."""
     batch_verify: bool = True
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
@@ -84,7 +86,12 @@ class ServerState:
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
         self.engine = Engine(
-            self.store, self.metrics, self.max_running, self.max_queue, self.batch_verify
+            self.store,
+            self.metrics,
+            self.max_running,
+            self.max_queue,
+            self.batch_verify,
+            self.max_queue_per_adapter,
         )
         self.served = set(self.store.names()) if self.store is not None else set()
 

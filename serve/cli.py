@@ -74,6 +74,14 @@ class ServeArgs:
     max_queue: int = field(
         default=64, metadata={"help": "requests waiting for a slot; more are answered 429"}
     )
+    max_queue_per_adapter: int | None = field(
+        default=None,
+        metadata={
+            "help": "waiting places one adapter may hold, so a flood on one leaves room for the "
+            "others (waiting requests start round-robin across adapters); default 3/4 of "
+            "--max-queue"
+        },
+    )
     drain_timeout: float = field(
         default=30.0, metadata={"help": "seconds in-flight requests get to finish on shutdown"}
     )
@@ -128,6 +136,9 @@ class ServeArgs:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_running < 1 or self.max_queue < 0:
             raise ValueError("--max-running must be >= 1 and --max-queue >= 0")
+        per_adapter = self.max_queue_per_adapter
+        if per_adapter is not None and not 0 <= per_adapter <= self.max_queue:
+            raise ValueError("--max-queue-per-adapter must be in [0, --max-queue]")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
@@ -183,6 +194,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         tree=tree,
         max_running=args.max_running,
         max_queue=args.max_queue,
+        max_queue_per_adapter=args.max_queue_per_adapter,
         batch_verify=args.batch_verify,
         adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from selfspec.cost_curve import elapsed_seconds
 from selfspec.generation import GenerationResult, GenerationStream, StepOutput
 from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
+from selfspec.serve.fair_queue import FairQueue
 from selfspec.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,10 @@ class RequestHandle:
 
 class Engine:
     """Runs admitted requests on one worker thread. `max_running` requests run together (their
-    trees verified in one forward when `batch_verify`); up to `max_queue` more wait; beyond that
-    `submit` answers 429."""
+    trees verified in one forward when `batch_verify`); up to `max_queue` more wait, started
+    round-robin across adapters (`FairQueue`), one adapter holding at most
+    `max_queue_per_adapter` of those places (default three quarters); beyond that `submit`
+    answers 429."""
 
     def __init__(
         self,
@@ -134,11 +136,20 @@ class Engine:
         max_running: int = 16,
         max_queue: int = 64,
         batch_verify: bool = True,
+        max_queue_per_adapter: int | None = None,
     ) -> None:
         if max_running < 1 or max_queue < 0:
             raise ValueError(
                 f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
             )
+        if max_queue_per_adapter is None:
+            max_queue_per_adapter = max(1, 3 * max_queue // 4) if max_queue else 0
+        if not 0 <= max_queue_per_adapter <= max_queue:
+            raise ValueError(
+                f"max_queue_per_adapter must be in [0, max_queue={max_queue}], got "
+                f"{max_queue_per_adapter}"
+            )
+        self.max_queue_per_adapter = max_queue_per_adapter
         self.store = store
         self.metrics = metrics
         self.max_running = max_running
@@ -146,7 +157,7 @@ class Engine:
         self.batch_verify = batch_verify
         self.peak_running = 0
         """Most requests ever interleaved at once."""
-        self._waiting: deque[Job] = deque()
+        self._waiting: FairQueue[Job] = FairQueue()  # round-robin across adapters
         self._running: list[Job] = []
         self._cond = threading.Condition()
         self._accepting = False
@@ -244,6 +255,14 @@ class Engine:
                 self.metrics.requests.labels(label, "rejected").inc(len(jobs))
                 raise unavailable("the engine is not serving (starting or shutting down)")
             in_flight = len(self._waiting) + len(self._running)
+            own = self._waiting.waiting(label)
+            must_wait = in_flight + len(jobs) > self.max_running
+            if must_wait and own + len(jobs) > self.max_queue_per_adapter:
+                self.metrics.requests.labels(label, "rejected").inc(len(jobs))
+                raise overloaded(
+                    f"{own} requests on {label!r} are already waiting, this adapter's share of "
+                    f"the queue (max_queue_per_adapter {self.max_queue_per_adapter}); retry later"
+                )
             if in_flight + len(jobs) > self.max_running + self.max_queue:
                 self.metrics.requests.labels(label, "rejected").inc(len(jobs))
                 needs = f"; this request needs {len(jobs)} places (n)" if len(jobs) > 1 else ""
