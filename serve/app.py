@@ -60,7 +60,7 @@ class ServerState:
     max_running: int = 16
     max_queue: int = 64
     max_queue_per_adapter: int | None = None
-    """Waiting places one adapter may hold; None: three quarters of max_queue."""
+    """Waiting places one adapter may hold; None: all but a quarter of max_queue."""
     batch_verify: bool = True
     drain_timeout: float = 30.0
     enable_lora_management: bool = False

@@ -78,8 +78,8 @@ class ServeArgs:
         default=None,
         metadata={
             "help": "waiting places one adapter may hold, so a flood on one leaves room for the "
-            "others (waiting requests start round-robin across adapters); default 3/4 of "
-            "--max-queue"
+            "others (waiting requests start round-robin across adapters); default: all but a "
+            "quarter of --max-queue"
         },
     )
     drain_timeout: float = field(

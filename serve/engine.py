@@ -126,7 +126,7 @@ class Engine:
     """Runs admitted requests on one worker thread. `max_running` requests run together (their
     trees verified in one forward when `batch_verify`); up to `max_queue` more wait, started
     round-robin across adapters (`FairQueue`), one adapter holding at most
-    `max_queue_per_adapter` of those places (default three quarters); beyond that `submit`
+    `max_queue_per_adapter` of those places (default: all but a quarter); beyond that `submit`
     answers 429."""
 
     def __init__(
@@ -143,7 +143,7 @@ class Engine:
                 f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
             )
         if max_queue_per_adapter is None:
-            max_queue_per_adapter = max(1, 3 * max_queue // 4) if max_queue else 0
+            max_queue_per_adapter = max_queue - max_queue // 4  # a quarter kept for the others
         if not 0 <= max_queue_per_adapter <= max_queue:
             raise ValueError(
                 f"max_queue_per_adapter must be in [0, max_queue={max_queue}], got "
@@ -256,8 +256,9 @@ class Engine:
                 raise unavailable("the engine is not serving (starting or shutting down)")
             in_flight = len(self._waiting) + len(self._running)
             own = self._waiting.waiting(label)
-            must_wait = in_flight + len(jobs) > self.max_running
-            if must_wait and own + len(jobs) > self.max_queue_per_adapter:
+            # Of this request's jobs, those that will wait (the others start at once):
+            will_wait = min(len(jobs), max(0, in_flight + len(jobs) - self.max_running))
+            if will_wait and own + will_wait > self.max_queue_per_adapter:
                 self.metrics.requests.labels(label, "rejected").inc(len(jobs))
                 raise overloaded(
                     f"{own} requests on {label!r} are already waiting, this adapter's share of "
