@@ -25,6 +25,7 @@ from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from selfspec.prefix_cache import CachedPrefix, PrefixCache
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
@@ -65,7 +66,10 @@ class GenerationConfig:
     (``selfspec.logprobs``)."""
     prompt_logprobs: bool = False
     """Also score the prompt's tokens (each under the positions before it; the first has none).
-    Costs the lm_head over the whole prompt."""
+    Costs the lm_head over the whole prompt (and bypasses the prefix cache)."""
+    prefix_namespace: str | None = None
+    """With the generator's ``prefix_cache``: the namespace (the request's adapter, or the base
+    model's name) whose cached prompt prefixes this request may reuse and extend; None: none."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -194,6 +198,17 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
         self.default_stop_ids = eos_token_ids(model, tokenizer)
+        self.prefix_cache: PrefixCache | None = None
+        """Set by a server: prompt prefixes reused across requests (``GenerationConfig.
+        prefix_namespace``); only exact where the target's rows are computed row-invariantly
+        (``prefix_cache_exact``)."""
+
+    @property
+    def prefix_cache_exact(self) -> bool:
+        """Whether a prefill over cached prefix entries gives the same bits as a full one: the
+        target runs on the row-invariant kernels (fixed-order attention)."""
+        lean = self.target.lean
+        return lean is not None and lean.fixed_order
 
     def generate(
         self, prompt_ids: Sequence[int], config: GenerationConfig, scope: StepScope | None = None
@@ -267,11 +282,22 @@ class SpeculativeGenerator:
         else:
             generator.manual_seed(config.seed)
         cache = self.target.new_cache()
-        positions = torch.arange(prompt.shape[0], device=device)[None]
         taps = self.taps if config.speculate else None
+        reuse = self._cached_prefix(prompt, config, cache)  # fills the cache's first entries
+        start = 0 if reuse is None else reuse.length
+        positions = torch.arange(start, prompt.shape[0], device=device)[None]
+        mask = None if reuse is None else _after_prefix_mask(start, prompt.shape[0], self.target)
         with record_function("selfspec.prefill"), maybe_capture(taps) as tapped:
-            features = self.target.features(prompt[None], positions, cache)[0]  # [S, H]
+            features = self.target.features(prompt[None, start:], positions, cache, mask)[0]
             logits = self.target.logits(features[-1])  # [vocab]
+        # What the drafter reads: the last hidden states, or the tapped layers # [S, F]
+        draft_features = features if tapped is None else tapped.stacked()[0]
+        if reuse is not None and reuse.features is not None:
+            draft_features = torch.cat([reuse.features, draft_features])
+        namespace = self._prefix_namespace(config, cache)
+        if namespace is not None:
+            stored = draft_features if config.speculate else None
+            self.prefix_cache.insert(namespace, prompt.tolist(), cache, stored)
         first = _choose(logits, config.sampling, generator)
         state = RequestState(
             cache=cache,
@@ -290,11 +316,33 @@ class SpeculativeGenerator:
                     scored = token_logprobs(rows, prompt[1:], config.logprobs)
                 state.prompt_logprobs = [None, *scored]
         if config.speculate:
-            # What the drafter reads: the last hidden states, or the tapped layers # [S, k * H]
-            draft_features = features if tapped is None else tapped.stacked()[0]
             with record_function("selfspec.draft_prefill"):
                 state.draft_state = self.drafter.start(draft_features, prompt, first)
         return state
+
+    def _cached_prefix(
+        self, prompt: torch.Tensor, config: GenerationConfig, cache: DynamicCache
+    ) -> CachedPrefix | None:
+        """The cached entries of the prompt's longest known prefix, copied into ``cache``."""
+        namespace = self._prefix_namespace(config, cache)
+        if namespace is None or config.prompt_logprobs:  # prompt scores need every row
+            return None
+        reuse = self.prefix_cache.lookup(namespace, prompt.tolist(), features=config.speculate)
+        if reuse is not None:
+            for index, (keys, values) in enumerate(zip(reuse.keys, reuse.values, strict=True)):
+                cache.update(keys, values, index)
+        return reuse
+
+    def _prefix_namespace(self, config: GenerationConfig, cache: DynamicCache) -> str | None:
+        """The prefix cache's namespace for this request: its adapter, and what the drafter
+        reads (the last hidden state or the tapped layers); None when it cannot reuse prefixes
+        (no cache or namespace, or a cache of other layer kinds, e.g. sliding windows)."""
+        if self.prefix_cache is None or config.prefix_namespace is None:
+            return None
+        if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
+            return None
+        reads = "last" if self.taps is None else "taps" + ",".join(map(str, self.taps.layers))
+        return f"{config.prefix_namespace}\x00{reads}"
 
     def draft(
         self, state: RequestState, config: GenerationConfig, batch_size: int = 1
@@ -610,6 +658,17 @@ def _take_draft_features(state: RequestState) -> torch.Tensor:
             "selfspec.batched_verify.verify_features)"
         )
     return draft_features  # [T, k * H]
+
+
+def _after_prefix_mask(start: int, end: int, target: TargetForward) -> torch.Tensor:
+    """Prompt tokens start..end-1 over a cache holding the first ``start``: all of it visible,
+    causal among themselves. # [1, 1, end - start, end] additive float mask"""
+    size = end - start
+    dtype, device = target.dtype, target.device
+    blocked = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+    mask = torch.zeros(1, 1, size, end, dtype=dtype, device=device)
+    mask[0, 0, :, start:] = torch.where(blocked, torch.finfo(dtype).min, 0.0).to(dtype)
+    return mask
 
 
 def _moving_average(average: float, sample: float) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from selfspec.adapters.store import AdapterStore
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.logprobs import TokenLogprob
+from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import SamplingParams
 from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
@@ -40,6 +42,8 @@ from selfspec.serve.protocol import ParsedRequest, parse_request
 from selfspec.stats import GenerationStats
 from selfspec.target import apply_chat_template
 from selfspec.tree import TreeSpec
+
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25
 """How often a request with no new tokens checks whether its client is still there."""
@@ -64,6 +68,9 @@ class ServerState:
     batch_verify: bool = True
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
+    prefix_cache: PrefixCache | None = None
+    """Prompt prefixes' KV reused across requests, per adapter; used only where it is exact
+    (the target on the row-invariant kernels), else turned off with a warning."""
     access: AccessPolicy = field(default_factory=AccessPolicy)
     """API key, allowed hosts, body limit (see ``serve.guard``)."""
     request_timeout: float | None = None
@@ -85,6 +92,15 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
+        if self.prefix_cache is not None and not self.generator.prefix_cache_exact:
+            logger.warning(
+                "prefix cache off: reusing cached prefixes is exact only on the row-invariant "
+                "kernels, which this target does not run on"
+            )
+            self.prefix_cache = None
+        self.generator.prefix_cache = self.prefix_cache
+        if self.prefix_cache is not None:
+            self.metrics.watch_prefix_cache(self.prefix_cache)
         self.engine = Engine(
             self.store,
             self.metrics,
@@ -121,6 +137,7 @@ class ServerState:
                 own = SpeculativeGenerator(
                     self.store.base_model, heads, self.tokenizer, self.generator.cost_curve
                 )
+                own.prefix_cache = self.prefix_cache
                 self._generators[adapter] = own
             return own
 
@@ -284,6 +301,7 @@ async def _serve(
         tree=state.tree,
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.echo and parsed.logprobs is not None,
+        prefix_namespace=(adapter or state.model_name) if state.prefix_cache is not None else None,
     )
     streams = []
     for index in range(parsed.n):
@@ -660,6 +678,8 @@ def _unload_adapter(state: ServerState, name: str) -> None:
             state.served.add(name)
         raise bad_request(f"cannot unload adapter {name!r}: {error}", "lora_name") from error
     state.metrics.forget(name)
+    if state.prefix_cache is not None:
+        state.prefix_cache.drop(name)  # a later load under this name may be other weights
 
 
 def _adapter_busy(name: str, busy: int, waited: str) -> APIError:

@@ -97,6 +97,13 @@ class ServeArgs:
             "chain:D | dynamic[:TOP_K,DEPTH,BUDGET] | paths.json"
         },
     )
+    prefix_cache_mb: int = field(
+        default=512,
+        metadata={
+            "help": "MiB of prompt-prefix KV kept for reuse across requests (per adapter, LRU; "
+            "exact on the row-invariant kernels, off without them); 0: off"
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={
@@ -143,6 +150,8 @@ class ServeArgs:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
         check_dtype(self.dtype)
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout is not None and not self.request_timeout > 0:
@@ -159,6 +168,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
+    from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
     from selfspec.serve.app import ServerState
     from selfspec.serve.guard import AccessPolicy
     from selfspec.shipped import resolve_heads_dir
@@ -208,6 +218,11 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
             max_body_bytes=args.max_body_bytes,
         ),
         request_timeout=args.request_timeout,
+        prefix_cache=(
+            PrefixCache(PrefixCacheConfig(max_bytes=args.prefix_cache_mb << 20))
+            if args.prefix_cache_mb
+            else None
+        ),
     )
 
 

@@ -9,7 +9,9 @@ acceptance at depth d = ``selfspec_spec_accepted_at_depth_total``
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from selfspec.prefix_cache import PrefixCache
 from selfspec.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -123,6 +125,10 @@ class ServerMetrics:
             self.spec_reached_depth.labels(adapter, str(depth)).inc(reached)
             self.spec_accepted_at_depth.labels(adapter, str(depth)).inc(accepted)
 
+    def watch_prefix_cache(self, cache: PrefixCache) -> None:
+        """Export the prefix cache's counters (read when /metrics is scraped)."""
+        self.registry.register(_PrefixCacheCollector(cache))
+
     def forget(self, adapter: str) -> None:
         """Drop every series labelled with ``adapter`` (it was unloaded): runtime-loaded names
         must not grow the exposition without bound."""
@@ -133,3 +139,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """The prefix cache's own counters as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def collect(self):  # -> Iterator[Metric]
+        stats = self.cache.stats
+        yield CounterMetricFamily(
+            "selfspec_prefix_cache_hits", "Prefills that reused cached prompt blocks", stats.hits
+        )
+        yield CounterMetricFamily(
+            "selfspec_prefix_cache_misses", "Prefills that found no cached block", stats.misses
+        )
+        yield CounterMetricFamily(
+            "selfspec_prefix_cache_hit_tokens", "Prompt tokens not recomputed", stats.hit_tokens
+        )
+        yield CounterMetricFamily(
+            "selfspec_prefix_cache_evicted_blocks", "Blocks evicted (LRU)", stats.evicted_blocks
+        )
+        yield GaugeMetricFamily(
+            "selfspec_prefix_cache_bytes", "Bytes of cached blocks", self.cache.nbytes
+        )
