@@ -49,6 +49,18 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "serve",
         "OpenAI-compatible server: the base model and its LoRA adapters, speculating",
     ),
+    "export": (
+        "selfspec.cli_interop",
+        "export_main",
+        None,
+        "write EAGLE-3 heads as a speculators drafter (the format vLLM loads)",
+    ),
+    "import": (
+        "selfspec.cli_interop",
+        "import_main",
+        None,
+        "read a speculators EAGLE-3 drafter or FasterDecoding Medusa heads as selfspec heads",
+    ),
 }
 
 

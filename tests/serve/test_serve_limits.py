@@ -49,7 +49,8 @@ def test_api_key_guards_every_route_but_health(server_for) -> None:
             reply = httpx.get(f"{url}{route}")
             _error(reply, 401, "invalid_api_key")
             assert reply.headers["www-authenticate"] == "Bearer"
-        wrong = httpx.post(f"{url}/v1/completions", json=BODY, headers={"authorization": "Bearer x"})
+        wrong_key = {"authorization": "Bearer x"}
+        wrong = httpx.post(f"{url}/v1/completions", json=BODY, headers=wrong_key)
         _error(wrong, 401, "invalid_api_key")
         unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"})
         _error(unload, 401, "invalid_api_key")  # management routes too
