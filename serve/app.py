@@ -33,6 +33,7 @@ from selfspec.heads import load_heads
 from selfspec.logprobs import TokenLogprob
 from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import SamplingParams
+from selfspec.serve.drift import DriftConfig, DriftMonitor
 from selfspec.serve.engine import Engine, Event, RequestHandle
 from selfspec.serve.errors import APIError, bad_request, not_found
 from selfspec.serve.guard import AccessPolicy, Guard
@@ -72,6 +73,8 @@ class ServerState:
     """Prompt prefixes' KV reused across requests, per adapter; used only where it is exact
     (the target on the row-invariant kernels), else turned off with a warning."""
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    """When an adapter counts as drifting from the base's draft acceptance (``serve.drift``)."""
     """API key, allowed hosts, body limit (see ``serve.guard``)."""
     request_timeout: float | None = None
     """Seconds a request may take from admission to its last token; then it is cancelled and
@@ -101,6 +104,7 @@ class ServerState:
         self.generator.prefix_cache = self.prefix_cache
         if self.prefix_cache is not None:
             self.metrics.watch_prefix_cache(self.prefix_cache)
+        self.metrics.watch_drift(DriftMonitor(self.model_name, self.drift))
         self.engine = Engine(
             self.store,
             self.metrics,

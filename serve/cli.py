@@ -104,6 +104,13 @@ class ServeArgs:
             "exact on the row-invariant kernels, off without them); 0: off"
         },
     )
+    drift_threshold: float = field(
+        default=0.8,
+        metadata={
+            "help": "flag (gauge + log warning) an adapter whose draft acceptance falls below "
+            "this share of the base's; 0: never"
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={
@@ -150,6 +157,8 @@ class ServeArgs:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
         check_dtype(self.dtype)
+        if not 0 <= self.drift_threshold <= 1:
+            raise ValueError(f"--drift-threshold must be in [0, 1], got {self.drift_threshold}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_body_bytes < 1024:
@@ -170,6 +179,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.heads import load_heads
     from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
     from selfspec.serve.app import ServerState
+    from selfspec.serve.drift import DriftConfig
     from selfspec.serve.guard import AccessPolicy
     from selfspec.shipped import resolve_heads_dir
     from selfspec.target import TargetSpec, load_target
@@ -218,6 +228,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
             max_body_bytes=args.max_body_bytes,
         ),
         request_timeout=args.request_timeout,
+        drift=DriftConfig(threshold=args.drift_threshold),
         prefix_cache=(
             PrefixCache(PrefixCacheConfig(max_bytes=args.prefix_cache_mb << 20))
             if args.prefix_cache_mb

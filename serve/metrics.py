@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from selfspec.prefix_cache import PrefixCache
+from selfspec.serve.drift import DriftMonitor
 from selfspec.stats import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -21,6 +22,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.drift: DriftMonitor | None = None
         r = self.registry
         self.requests = Counter(
             "selfspec_requests",
@@ -114,6 +116,8 @@ class ServerMetrics:
         self.prompt_tokens.labels(adapter).inc(stats.prompt_tokens)
         if not speculated:
             return
+        if self.drift is not None:
+            self.drift.observe(adapter, stats.steps)
         steps = stats.steps
         self.spec_steps.labels(adapter).inc(len(steps))
         self.spec_draft_tokens.labels(adapter).inc(sum(s.tree_size - 1 for s in steps))
@@ -125,6 +129,11 @@ class ServerMetrics:
             self.spec_reached_depth.labels(adapter, str(depth)).inc(reached)
             self.spec_accepted_at_depth.labels(adapter, str(depth)).inc(accepted)
 
+    def watch_drift(self, drift: DriftMonitor) -> None:
+        """Feed finished speculative requests to ``drift`` and export its state."""
+        self.drift = drift
+        self.registry.register(_DriftCollector(drift))
+
     def watch_prefix_cache(self, cache: PrefixCache) -> None:
         """Export the prefix cache's counters (read when /metrics is scraped)."""
         self.registry.register(_PrefixCacheCollector(cache))
@@ -132,6 +141,8 @@ class ServerMetrics:
     def forget(self, adapter: str) -> None:
         """Drop every series labelled with ``adapter`` (it was unloaded): runtime-loaded names
         must not grow the exposition without bound."""
+        if self.drift is not None:
+            self.drift.forget(adapter)
         for metric in self._by_adapter:
             # prometheus_client keeps a labelled metric's children by their label values.
             for values in [v for v in list(metric._metrics) if v[0] == adapter]:
@@ -164,3 +175,40 @@ class _PrefixCacheCollector:
         yield GaugeMetricFamily(
             "selfspec_prefix_cache_bytes", "Bytes of cached blocks", self.cache.nbytes
         )
+
+
+class _DriftCollector:
+    """Per-adapter moving averages of acceptance and the drift score, read at scrape time."""
+
+    def __init__(self, drift: DriftMonitor) -> None:
+        self.drift = drift
+
+    def collect(self):  # -> Iterator[Metric]
+        drift = self.drift
+        tau = GaugeMetricFamily(
+            "selfspec_spec_tau_ewma",
+            "Moving average of tokens per verification",
+            labels=["adapter"],
+        )
+        score = GaugeMetricFamily(
+            "selfspec_adapter_drift_score",
+            "Adapter / base draft acceptance (mean over the first depths, moving averages)",
+            labels=["adapter"],
+        )
+        flagged = GaugeMetricFamily(
+            "selfspec_adapter_drift_flagged",
+            "1 while the adapter's drift score is below the threshold",
+            labels=["adapter"],
+        )
+        below = drift.flagged()
+        for label in drift.labels():
+            value = drift.tau(label)
+            if value is not None:
+                tau.add_metric([label], value)
+            ratio = drift.score(label)
+            if ratio is not None:
+                score.add_metric([label], ratio)
+                flagged.add_metric([label], float(label in below))
+        yield tau
+        yield score
+        yield flagged
