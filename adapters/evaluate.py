@@ -77,6 +77,7 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
                             heads=heads_kind,
                             meta=_meta(info.path),
                             progress=progress,
+                            base_scope=store.scope(None),
                         )
                     )
     report = RobustnessReport(

@@ -9,7 +9,10 @@ reports:
   pooled over every decode step of every prompt;
 - decode tokens/s of both modes and their ratio (speedup);
 - greedy equality of the two outputs, prompt by prompt (lossless means equal);
-- `tau_ratio` = τ_adapter / τ_base, which the `--min-ratio` gate checks.
+- `tau_ratio` = τ_adapter / τ_base, which the `--min-ratio` gate checks;
+- agreement with the base: on the adapter's own greedy outputs, the fraction of positions where
+  the base's most likely next token is the adapter's (one teacher-forced base forward per
+  prompt): how far the adapter moved the distribution the heads were trained on.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class Measurement:
     """Indices of prompts whose outputs differ (lossless: empty)."""
     tau_ratio: float = 1.0
     """τ / τ of the base row."""
+    agreement_with_base: float | None = None
+    """Top-1 agreement of the base with this row's greedy outputs (1.0 for the base row)."""
     meta: Mapping[str, Any] = field(default_factory=dict)
     """What the adapter records about itself (e.g. its recipe metrics)."""
 
@@ -86,6 +91,8 @@ class Measurement:
         data["meta"] = dict(self.meta)
         for key in ("tau", "speculative_tps", "vanilla_tps", "tau_ratio"):
             data[key] = round(data[key], 4)
+        if self.agreement_with_base is not None:
+            data["agreement_with_base"] = round(self.agreement_with_base, 4)
         data["speedup"] = round(self.speedup, 4)
         data["lossless"] = self.lossless
         return data
@@ -121,7 +128,9 @@ class RobustnessReport:
         )
         lines = [header, "|" + "---|" * (header.count("|") - 1)]
         for row in self.rows:
-            agreement = row.meta.get("metrics", {}).get("top1_agreement_with_base")
+            agreement = row.agreement_with_base
+            if agreement is None:  # what the adapter recorded about itself
+                agreement = row.meta.get("metrics", {}).get("top1_agreement_with_base")
             rates = [*row.acceptance_by_depth[:shown]]
             rates += [None] * (shown - len(rates))
             lines.append(
@@ -145,16 +154,23 @@ def measure(
     heads: str = "base",
     meta: Mapping[str, Any] | None = None,
     progress: Any = None,
+    base_scope: Any = None,
 ) -> Measurement:
     """One row: vanilla and speculative greedy decoding of every prompt, alternating.
-    progress: a tqdm bar (or anything with ``update()``) advanced once per prompt."""
+    progress: a tqdm bar (or anything with ``update()``) advanced once per prompt.
+    base_scope: the base model's step scope, to measure this row's agreement with it (None:
+    this row is the base, agreement 1.0)."""
     speculative_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, tree=settings.tree)
     vanilla_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, speculate=False)
     pooled = GenerationStats()
     vanilla_tokens = vanilla_seconds = speculative_tokens = speculative_seconds = 0.0
     mismatched = []
+    agreeing = scored = 0
     for index, prompt in enumerate(prompts):
         vanilla = generator.generate(prompt, vanilla_cfg, scope=scope)
+        if base_scope is not None:
+            hits = base_agreement(generator, prompt, vanilla.token_ids, base_scope)
+            agreeing, scored = agreeing + hits, scored + len(vanilla.token_ids)
         speculative = generator.generate(prompt, speculative_cfg, scope=scope)
         if vanilla.token_ids != speculative.token_ids:
             mismatched.append(index)
@@ -177,7 +193,23 @@ def measure(
         greedy_equal=len(prompts) - len(mismatched),
         mismatched_prompts=tuple(mismatched),
         meta=dict(meta or {}),
+        agreement_with_base=(agreeing / scored if scored else None) if base_scope else 1.0,
     )
+
+
+def base_agreement(
+    generator: SpeculativeGenerator, prompt: Sequence[int], output: Sequence[int], base_scope: Any
+) -> int:
+    """How many tokens of ``output`` (generated after ``prompt``) are the base's greedy choice
+    at their position, from one teacher-forced forward of the base."""
+    if not output:
+        return 0
+    ids = torch.tensor([[*prompt, *output]], device=generator.target.device)
+    with torch.inference_mode(), base_scope():
+        logits = generator.target.model(ids).logits[0]  # [L, vocab]
+    start = len(prompt) - 1
+    chosen = logits[start : start + len(output)].argmax(-1)  # [len(output)]
+    return int((chosen == torch.tensor(output, device=chosen.device)).sum())
 
 
 def with_ratios(rows: Sequence[Measurement]) -> tuple[Measurement, ...]:

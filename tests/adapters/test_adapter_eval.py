@@ -48,6 +48,10 @@ def test_eval_writes_json_markdown_and_plot(setup, adapter_root, tmp_path, capsy
         assert row["tau"] >= 1.0 and row["vanilla_tps"] > 0 and row["speculative_tps"] > 0
         assert all(0.0 <= rate <= 1.0 for rate in row["acceptance_by_depth"])
     assert rows["(base)"]["tau_ratio"] == 1.0
+    assert rows["(base)"]["agreement_with_base"] == 1.0
+    for name in ("all.linear", "attn", "mlp_down"):  # measured for every adapter
+        assert 0.0 <= rows[name]["agreement_with_base"] <= 1.0
+    assert min(rows[n]["agreement_with_base"] for n in ("all.linear", "attn", "mlp_down")) < 1.0
     markdown = (tmp_path / "robustness.md").read_text()
     assert "| all.linear |" in markdown and "speedup" in markdown
     assert (tmp_path / "robustness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -115,3 +119,19 @@ def test_gate_judges_an_adapter_by_the_heads_it_is_served_with() -> None:
         ("recalibrated", "own"),
         ("plain", "base"),
     ]
+
+
+def test_the_base_agrees_with_its_own_greedy_output(setup) -> None:
+    import contextlib
+
+    from selfspec.adapters.robustness import base_agreement
+    from selfspec.generation import GenerationConfig, SpeculativeGenerator
+    from selfspec.target import TargetSpec, load_target
+
+    target = load_target(TargetSpec(model=str(setup[0])))
+    generator = SpeculativeGenerator(target.model, None, target.tokenizer)
+    prompt = [3, 9, 4, 11]
+    output = generator.generate(prompt, GenerationConfig(max_new_tokens=12, speculate=False))
+    assert base_agreement(generator, prompt, output.token_ids, contextlib.nullcontext) == 12
+    flipped = [(t + 1) % 50 for t in output.token_ids]
+    assert base_agreement(generator, prompt, flipped, contextlib.nullcontext) < 12
