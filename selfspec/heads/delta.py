@@ -1,0 +1,293 @@
+"""Per-adapter draft deltas: low-rank corrections of the shared heads, one per adapter.
+
+Heads recalibrated for an adapter used to be full copies (~18 MB each for the default model's
+EAGLE heads); a delta keeps the shared heads and stores, for every linear layer W of the heads,
+a rank-r pair (A # [r, in], B # [out, r]) with W' = W + (alpha / r) B A. At rank 16 that is
+~4 % of the heads, so a thousand adapters' deltas fit in well under a gigabyte.
+
+- Training (``with_trainable_delta``): each linear layer is wrapped in ``LoraLinear`` (A random,
+  B zero, so training starts from the shared heads exactly); only A and B train.
+- Serving (``DeltaBank``): each linear layer is wrapped in ``BankedLinear``, which holds every
+  registered adapter's pair and applies the active one; ``bank.active(name)`` selects it for the
+  duration of a request's drafting (None: the shared heads alone). Switching is a pointer; the
+  shared weights are never copied or changed.
+- Files (``save_delta`` / ``load_delta``): ``delta.safetensors`` (``<module>.lora_A`` /
+  ``<module>.lora_B``) and ``delta.json`` (rank, alpha, modules, and the hash of the shared
+  heads they correct: a delta is refused on other heads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from selfspec.atomic import replace_dir, staging_dir_for
+
+DELTA_DIR = "heads-delta"
+"""Where an adapter directory keeps its draft delta."""
+WEIGHTS_FILE = "delta.safetensors"
+CONFIG_FILE = "delta.json"
+
+
+class DeltaError(ValueError):
+    """A draft delta that cannot be used (malformed, or for other heads)."""
+
+
+@dataclass(frozen=True)
+class DeltaConfig:
+    rank: int = 16
+    alpha: float = 32.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 256 or not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"need 1 <= rank <= 256 and alpha > 0, got {self.rank}, {self.alpha}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def delta_modules(heads: nn.Module) -> list[str]:
+    """Names of the heads' linear layers a delta corrects (all of them)."""
+    return [name for name, module in heads.named_modules() if isinstance(module, nn.Linear)]
+
+
+def linear_layers(heads: nn.Module) -> dict[str, nn.Linear]:
+    """The heads' shared linear layers by name, whether plain or wrapped for a delta."""
+    found = {}
+    for name, module in heads.named_modules():
+        if isinstance(module, LoraLinear | BankedLinear):
+            found[name] = module.base
+        elif isinstance(module, nn.Linear):
+            parent = heads.get_submodule(name.rpartition(".")[0]) if "." in name else heads
+            if not isinstance(parent, LoraLinear | BankedLinear):
+                found[name] = module
+    return found
+
+
+def heads_hash(heads: nn.Module) -> str:
+    """16 hex digits of a sha256 over the shared heads' linear weights (what a delta corrects)."""
+    digest = hashlib.sha256()
+    for name, layer in sorted(linear_layers(heads).items()):
+        digest.update(name.encode())
+        digest.update(layer.weight.detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank term. # [..., in] -> [..., out]"""
+
+    def __init__(self, base: nn.Linear, config: DeltaConfig) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = config.scale
+        self.lora_A = nn.Parameter(torch.empty(config.rank, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, config.rank))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        base.requires_grad_(False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = (x @ self.lora_A.T.to(x.dtype)) @ self.lora_B.T.to(x.dtype)  # [..., out]
+        return self.base(x) + self.scale * low
+
+
+def with_trainable_delta(heads: nn.Module, config: DeltaConfig) -> nn.Module:
+    """``heads`` (changed in place) with every linear layer wrapped in ``LoraLinear``; only the
+    low-rank parameters require gradients."""
+    heads.requires_grad_(False)
+    for name in delta_modules(heads):
+        _replace(heads, name, LoraLinear(heads.get_submodule(name), config))
+    return heads
+
+
+def delta_state(heads: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained pairs of heads made by ``with_trainable_delta``."""
+    state = {}
+    for name, module in heads.named_modules():
+        if isinstance(module, LoraLinear):
+            state[f"{name}.lora_A"] = module.lora_A.detach().float().contiguous().cpu()
+            state[f"{name}.lora_B"] = module.lora_B.detach().float().contiguous().cpu()
+    if not state:
+        raise DeltaError("these heads carry no trainable delta (with_trainable_delta)")
+    return state
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delta:
+    config: DeltaConfig
+    heads_hash: str
+    state: dict[str, torch.Tensor]  # <module>.lora_A # [r, in], <module>.lora_B # [out, r]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.state.values())
+
+
+def save_delta(delta: Delta, directory: Path, extra: dict | None = None) -> Path:
+    """Write ``directory`` atomically (complete or absent; an old one survives a failure)."""
+    directory = Path(directory)
+    staging = staging_dir_for(directory)
+    try:
+        save_file(delta.state, str(staging / WEIGHTS_FILE))
+        record = {
+            **asdict(delta.config),
+            "heads_hash": delta.heads_hash,
+            "modules": sorted({key.rsplit(".", 1)[0] for key in delta.state}),
+            "bytes": delta.nbytes,
+            **(extra or {}),
+        }
+        (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        replace_dir(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_delta(directory: Path, heads: nn.Module) -> Delta:
+    """A delta for ``heads`` (the shared heads, plain or banked); DeltaError naming what is
+    wrong: missing or malformed files, other heads, unknown modules, wrong shapes."""
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / CONFIG_FILE).read_text())
+        config = DeltaConfig(rank=int(record["rank"]), alpha=float(record["alpha"]))
+        recorded = str(record["heads_hash"])
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
+        raise DeltaError(f"{directory}: not a readable draft delta: {error}") from error
+    if recorded != heads_hash(heads):
+        raise DeltaError(
+            f"{directory}: the delta corrects other heads (hash {recorded}, these heads "
+            f"{heads_hash(heads)}); recalibrate it for the heads in use"
+        )
+    shapes = {
+        name: (layer.out_features, layer.in_features)
+        for name, layer in linear_layers(heads).items()
+    }
+    for key, tensor in state.items():
+        module, _, part = key.rpartition(".")
+        if module not in shapes or part not in ("lora_A", "lora_B"):
+            raise DeltaError(f"{directory}: {key!r} names no linear layer of the heads")
+        out, inp = shapes[module]
+        want = (config.rank, inp) if part == "lora_A" else (out, config.rank)
+        if tuple(tensor.shape) != want or not torch.isfinite(tensor).all():
+            raise DeltaError(
+                f"{directory}: {key} has shape {tuple(tensor.shape)} (want {want}) or "
+                "non-finite values"
+            )
+        if f"{module}.{'lora_B' if part == 'lora_A' else 'lora_A'}" not in state:
+            raise DeltaError(f"{directory}: {key} has no partner")
+    return Delta(config, recorded, state)
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+
+class BankedLinear(nn.Module):
+    """A shared linear layer and every registered adapter's low-rank pair; the bank's active
+    adapter's pair applies. # [..., in] -> [..., out]"""
+
+    def __init__(self, base: nn.Linear, bank: DeltaBank) -> None:
+        super().__init__()
+        self.base = base
+        self._bank = bank
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        pair = self.pairs.get(self._bank.current)
+        if pair is None:
+            return y
+        a, b, scale = pair
+        return y + scale * ((x @ a.T.to(x.dtype)) @ b.T.to(x.dtype))
+
+
+class DeltaBank:
+    """Draft deltas of many adapters over one set of shared heads."""
+
+    def __init__(self, heads: nn.Module) -> None:
+        self.heads = heads
+        self.hash = heads_hash(heads)
+        self._local = threading.local()
+        self._layers: dict[str, BankedLinear] = {}
+        for name in delta_modules(heads):
+            layer = BankedLinear(heads.get_submodule(name), self)
+            _replace(heads, name, layer)
+            self._layers[name] = layer
+        self._bytes: dict[str, int] = {}
+
+    @property
+    def current(self) -> str | None:
+        """The adapter whose delta applies on this thread (None: the shared heads alone)."""
+        return getattr(self._local, "name", None)
+
+    @contextlib.contextmanager
+    def active(self, name: str | None) -> Iterator[None]:
+        previous = self.current
+        self._local.name = name if name in self._bytes else None
+        try:
+            yield
+        finally:
+            self._local.name = previous
+
+    def add(self, name: str, delta: Delta) -> None:
+        if delta.heads_hash != self.hash:
+            raise DeltaError(f"the delta of {name!r} corrects other heads than this bank's")
+        device = next(iter(self._layers.values())).base.weight.device
+        scale = delta.config.scale
+        for module, layer in self._layers.items():
+            a, b = delta.state.get(f"{module}.lora_A"), delta.state.get(f"{module}.lora_B")
+            if a is not None and b is not None:
+                layer.pairs[name] = (a.to(device), b.to(device), scale)
+        self._bytes[name] = delta.nbytes
+
+    def remove(self, name: str) -> None:
+        for layer in self._layers.values():
+            layer.pairs.pop(name, None)
+        self._bytes.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every registered delta (the shared heads not counted)."""
+        return sum(self._bytes.values())
+
+
+def _replace(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
