@@ -22,7 +22,16 @@ import torch
 from selfspec.drafting.taps import LayerTaps
 from selfspec.fingerprint import BaseFingerprint, fingerprint_of
 from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads
-from selfspec.heads.draft_vocab import with_draft_vocab
+from selfspec.heads.delta import (
+    Delta,
+    DeltaConfig,
+    LoraLinear,
+    delta_state,
+    heads_hash,
+    save_delta,
+    with_trainable_delta,
+)
+from selfspec.heads.draft_vocab import draft_vocab_of, with_draft_vocab
 from selfspec.heads.eagle3 import Eagle3Head, init_from_target, with_eagle3_draft_vocab
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
@@ -68,6 +77,7 @@ class HeadsModule(L.LightningModule):
         target_layers: list[int] | None = None,
         ttt: TTTConfig | None = None,
         bf16_autocast: Literal["auto", "on", "off"] = "off",
+        delta: DeltaConfig | None = None,
     ) -> None:
         """
         Args:
@@ -89,6 +99,9 @@ class HeadsModule(L.LightningModule):
             bf16_autocast: run the steps (heads and the target's forward) under bfloat16
                 autocast: "auto" where the device has bfloat16 arithmetic (on a CPU: oneDNN's
                 bf16 support, AVX-512 BF16 or AMX), "on", or "off" (float32).
+            delta: train a low-rank delta of the heads (``selfspec.heads.delta``) instead of
+                the heads: their weights stay frozen and their draft vocabulary is the loss
+                vocabulary (needs init_from; recalibration for one adapter).
         """
         super().__init__()
         self.target_spec = target or TargetSpec()
@@ -107,6 +120,9 @@ class HeadsModule(L.LightningModule):
         self.eagle_depth = eagle_depth
         self.ttt = ttt or TTTConfig()
         self.bf16_autocast = bf16_autocast
+        self.delta = delta
+        if delta is not None and init_from is None:
+            raise ValueError("a delta corrects trained heads: give init_from")
         if self.kind is not HeadKind.EAGLE3 and (target_layers is not None or ttt is not None):
             raise ValueError("target_layers and ttt are options of kind eagle3 only")
         self.loss_vocab: torch.Tensor | None = None  # [V'] token ids, set in setup()
@@ -147,6 +163,14 @@ class HeadsModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.target.model.to(self.device)  # not a child module, so Lightning does not move it
+        if self.delta is not None:
+            if not any(isinstance(m, LoraLinear) for m in self.heads.modules()):
+                vocab = draft_vocab_of(self.heads)
+                if isinstance(self.heads, Eagle3Head):
+                    vocab = self.heads.draft_vocab
+                self.loss_vocab = None if vocab is None else vocab.to(self.device)
+                with_trainable_delta(self.heads, self.delta)
+            return
         if isinstance(self.heads, Eagle3Head):
             self._setup_eagle3_vocab(stage)
             return
@@ -310,9 +334,13 @@ class HeadsModule(L.LightningModule):
             )
 
     def export(self, path: str | Path, extra: dict[str, Any]) -> Path:
-        """Write the heads in the core checkpoint format (``save_heads``)."""
+        """Write the heads in the core checkpoint format (``save_heads``), or, training a
+        delta, the delta (``save_delta``)."""
         from selfspec.heads import save_heads
 
+        if self.delta is not None:  # the delta alone, for the heads it corrects
+            delta = Delta(self.delta, heads_hash(self.heads), delta_state(self.heads))
+            return save_delta(delta, Path(path), extra=extra)
         return save_heads(self.heads, path, self.base, extra=extra)
 
 

@@ -1,8 +1,11 @@
 """Recalibration: heads fine-tuned for one adapter, saved beside it, measured before and after.
 
 Heads trained on the base lose acceptance under an adapter that moves the target far from the
-base (τ below the `selfspec eval --min-ratio` gate). Recalibration fine-tunes a *copy* of those
-heads on data self-distilled from the target **with that adapter active**:
+base (τ below the `selfspec eval --min-ratio` gate). Recalibration trains, on data self-distilled
+from the target **with that adapter active**, a low-rank *delta* of those heads (default,
+``--delta-rank 16``: ~4 % of their size, saved as ``<adapter>/heads-delta/``, applied on top of
+the shared heads while the adapter's requests draft; see ``selfspec.heads.delta``), or with
+``--delta-rank 0`` a full *copy* of them (``<adapter>/heads/``):
 
 1. the adapter is made active through the store (`store.scope(name)`), and the target answers the
    first `--max-prompts` prompts (HF `generate`, through `selfspec.train.distill`); its last hidden
@@ -10,8 +13,9 @@ heads on data self-distilled from the target **with that adapter active**:
 2. the heads (`--heads`) are fine-tuned for `--max-steps` with the training losses and
    `HeadsModule` of `selfspec train`; the embedding and lm_head they draft through are the base's,
    which are the adapted target's too (adapters on them are refused by the store);
-3. they are written atomically to `<adapter>/heads/` (the core checkpoint; the base fingerprint
-   is the base model's), where the store and `selfspec eval` find them;
+3. they are written atomically to `<adapter>/heads-delta/` (the delta and the hash of the heads
+   it corrects) or `<adapter>/heads/` (the core checkpoint; the base fingerprint is the base
+   model's), where the server finds them;
 4. held-out prompts are decoded under the adapter with the old heads and the new ones (and the
    base with the old heads): τ before and after, acceptance per depth, speedup, and greedy
    equality with vanilla decoding under the adapter. The report also gives the heads' top-1
@@ -22,13 +26,14 @@ Outputs `recalibration.json` and `recalibration.md` in `--out`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,8 +56,9 @@ from selfspec.adapters.validate import HEADS_DIR
 from selfspec.atomic import write_text_atomic
 from selfspec.cli_args import parse_dataclass
 from selfspec.generation import SpeculativeGenerator
-from selfspec.heads import HeadKind, load_heads, save_heads
+from selfspec.heads import HeadKind, load_heads
 from selfspec.heads.checkpoint import read_heads_config
+from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaConfig, load_delta
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
@@ -124,6 +130,13 @@ class RecalibrateConfig:
         default=False, metadata={"help": "replace heads the adapter already carries"}
     )
     seed: int = field(default=0, metadata={"help": "seed of data order and training"})
+    delta_rank: int = field(
+        default=16,
+        metadata={
+            "help": "train a rank-N delta of the shared heads, saved as <adapter>/heads-delta/ "
+            "(~4 %% of the heads at 16); 0: a full copy of the heads, <adapter>/heads/"
+        },
+    )
 
     def __post_init__(self) -> None:
         parse_tree_spec(self.tree)
@@ -141,6 +154,8 @@ class RecalibrateConfig:
             raise ValueError(
                 f"need --lr > 0 and --warmup-steps >= 0, got {self.lr}, {self.warmup_steps}"
             )
+        if not 0 <= self.delta_rank <= 256:
+            raise ValueError(f"--delta-rank must be in [0, 256], got {self.delta_rank}")
         if self.loss_vocab_size is not None and self.loss_vocab_size < 0:
             raise ValueError(f"--loss-vocab-size must be >= 0, got {self.loss_vocab_size}")
 
@@ -246,7 +261,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     target = load_target(spec)
     model, tokenizer = target.model, target.tokenizer
     store, name, scope = select_adapter(model, config.adapter, config.adapters_root, is_default)
-    destination = store.info(name).path / HEADS_DIR
+    delta = DeltaConfig(rank=config.delta_rank) if config.delta_rank else None
+    destination = store.info(name).path / (DELTA_DIR if delta else HEADS_DIR)
     _refuse_existing(destination, config.overwrite)
     heads_dir = _heads_dir(config.heads, is_default)
     old_heads = load_heads(heads_dir, model)  # refuses heads of another base
@@ -293,6 +309,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             loss_vocab_size=config.loss_vocab_size or None,
             optim=OptimConfig(lr=config.lr, warmup_steps=config.warmup_steps),
             eagle_depth=config.eagle_depth,
+            delta=delta,
         )
         data = DistilledDataModule(
             train_data=str(distilled["train"]),
@@ -329,12 +346,26 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             "heldout_top1_before": round(heldout_before.top1, 5),
             "heldout_top1_after": round(heldout_after.top1, 5),
         }
-        save_heads(module.heads, destination, module.base, extra=record)
+        if delta is not None:
+            record["delta_rank"] = delta.rank
+        module.export(destination, extra=record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     # 4. τ before and after, under the adapter, on held-out prompts
-    new_heads = load_heads(destination, model)
+    new_scope = scope
+    if delta is None:
+        new_heads = load_heads(destination, model)
+    else:  # the shared heads with the adapter's delta active while it drafts
+        new_heads = load_heads(heads_dir, model)
+        bank = DeltaBank(new_heads)
+        bank.add(name, load_delta(destination, new_heads))
+
+        @contextlib.contextmanager
+        def new_scope() -> Iterator[None]:
+            with scope(), bank.active(name):
+                yield
+
     settings = EvalSettings(
         max_new_tokens=config.eval_max_new_tokens, tree=parse_tree_spec(config.tree)
     )
@@ -343,7 +374,9 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     rows = [measure(old_generator, eval_ids, settings, scope=store.scope(None), name=BASE)]
     with store.pinned(name):
         rows.append(measure(old_generator, eval_ids, settings, scope=scope, name=name))
-        rows.append(measure(new_generator, eval_ids, settings, scope=scope, name=name, heads="own"))
+        rows.append(
+            measure(new_generator, eval_ids, settings, scope=new_scope, name=name, heads="own")
+        )
     return RecalibrationReport(
         adapter=name,
         heads_from=config.heads if config.heads in ("eagle", "medusa") else str(heads_dir),

@@ -3,6 +3,7 @@
 One recalibration run of a tiny Llama (shared by the tests of this module) on an adapter that
 moves the target strongly: the heads land in `<adapter>/heads/`, load on the base, learn the
 adapted target (training loss down, held-out top-1 agreement up), and stay lossless under it.
+A second run trains a low-rank delta instead (`<adapter>/heads-delta/`), which learns too.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def argv(tiny_target: Path, setup: dict[str, Path], *extra: str, adapter: str = 
         "--eagle-depth", "1",
         "--loss-vocab-size", "0",
         "--out", str(setup["out"]),
+        "--delta-rank", "0",  # a full copy of the heads (the delta tests override it)
         *extra,
     ]  # fmt: skip
 
@@ -190,3 +192,20 @@ def _greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[
     for _ in range(new_tokens):
         ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
+    report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
+) -> None:
+    run = argv(tiny_target, setup, "--delta-rank", "4", "--lr", "1e-2", "--out", str(tmp_path))
+    assert main(run) == 0
+    delta_dir = setup["adapter"] / "heads-delta"
+    record = json.loads((delta_dir / "delta.json").read_text())
+    assert record["rank"] == 4 and record["recalibrated_for"] == "loud"
+    full = (setup["adapter"] / "heads" / "model.safetensors").stat().st_size
+    assert (delta_dir / "delta.safetensors").stat().st_size < 0.5 * full
+    delta_report = json.loads((tmp_path / "recalibration.json").read_text())
+    agreement = delta_report["agreement"]
+    assert agreement["heldout_after"]["top1"] > agreement["heldout_before"]["top1"] + 0.1
+    assert all(row["lossless"] for row in delta_report["rows"])
+    assert delta_report["heads_path"] == str(delta_dir.resolve())
