@@ -22,6 +22,10 @@ class UnsafeAdapterName(AdapterError):
     """A name with path characters, spaces, or too long (see `validate.NAME_PATTERN`)."""
 
 
+class ReservedAdapterName(UnsafeAdapterName):
+    """A name the store keeps for something else: the base model's own name."""
+
+
 class AdapterPathError(AdapterError):
     """A path that is missing, not a directory, or escapes the configured root."""
 

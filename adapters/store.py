@@ -16,7 +16,9 @@ Activation is per step: `store.scope(name)` gives the zero-argument context fact
 `SpeculativeGenerator.stream(..., scope=...)` enters around every step of a request, so requests on
 different adapters can be interleaved step by step. Switching copies no weight (the bank's slot;
 for peft adapters `set_adapter` flips which LoRA branch each layer runs); `None` is the base model.
-Steps hold the store's lock, so threads never see each other's activation.
+Steps hold the store's lock, so threads never see each other's activation. Validation (config,
+patterns, safetensors header) and reading an adapter's weights run outside the lock unless the
+caller already holds it, so a slow or hostile adapter directory never stalls running requests.
 
 Both paths act on the base model's own modules in place (hooks on its linear layers; peft's
 layers wrap them), so a `SpeculativeGenerator` built on the base model (before or after any load)
@@ -50,6 +52,7 @@ from selfspec.adapters.errors import (
     AdapterPathError,
     CorruptAdapter,
     InvalidAdapter,
+    ReservedAdapterName,
     StoreFull,
     UnknownAdapter,
 )
@@ -112,6 +115,8 @@ class AdapterStore:
     `root`: every valid subdirectory is registered under its directory name (invalid ones are
     listed in `rejected` with the reason); with a root, every adapter path must lie inside it.
     `adapters`: explicit name -> directory pairs.
+    `base_name`: the name clients use for the base model itself (e.g. the served model id); no
+    adapter may be registered under it. None: no name is reserved.
     """
 
     def __init__(
@@ -120,6 +125,7 @@ class AdapterStore:
         root: str | Path | None = None,
         adapters: Mapping[str, str | Path] | None = None,
         config: StoreConfig | None = None,
+        base_name: str | None = None,
     ) -> None:
         if (
             callable(getattr(model, "get_base_model", None))
@@ -131,13 +137,15 @@ class AdapterStore:
                 "carries LoRA layers (one store per base model)"
             )
         self.base_model = model
+        self.base_name = base_name
         self.config = config or StoreConfig()
         self.root = Path(root).expanduser().resolve() if root is not None else None
         if self.root is not None and not self.root.is_dir():
             raise AdapterPathError(f"adapters root {str(root)!r} is not an existing directory")
         self.layout = BaseLayout.of(model, fingerprint_of(model))
         self.rejected: dict[str, str] = {}
-        """Subdirectories of the root that are not valid adapters -> why."""
+        """Subdirectories of the root that `scan` could not register -> why (an entry goes when
+        an adapter is registered under that name)."""
         self._known: dict[str, AdapterInfo] = {}
         self._resident: OrderedDict[str, AdapterInfo] = OrderedDict()  # least recent first
         # Our name -> peft's. peft names are "slot<N>": a user name may hold '.', which a torch
@@ -160,35 +168,56 @@ class AdapterStore:
     # -- what is known -----------------------------------------------------------------------
 
     def scan(self) -> list[str]:
-        """Register every valid adapter directory under the root; returns the new names."""
+        """Register every valid adapter directory under the root; returns the new names.
+
+        One bad folder never stops the scan, whatever is wrong with it: it is recorded in
+        `rejected` (directory name -> why) and the others are registered."""
         if self.root is None:
             raise AdapterPathError("this store has no adapters root to scan")
+        try:
+            children = sorted(self.root.iterdir())
+        except OSError as error:
+            raise AdapterPathError(
+                f"adapters root {self.root.name!r} cannot be listed: {error.strerror}"
+            ) from error
         added = []
-        for child in sorted(self.root.iterdir()):
-            if child.name.startswith(".") or not child.is_dir() or child.name in self._known:
-                continue
+        for child in children:
             try:
+                if child.name.startswith(".") or not child.is_dir() or child.name in self._known:
+                    continue
                 self.register(child.name, child)
             except AdapterError as error:
                 self.rejected[child.name] = str(error)
-                logger.warning("skipping %s: %s", child, error)
+                logger.warning("skipping adapter folder %r: %s", child.name, error)
+            # A backstop: validation turns every expected failure into an AdapterError, but a
+            # server must still start when some folder trips something unforeseen.
+            except Exception as error:
+                self.rejected[child.name] = f"unexpected {type(error).__name__}: {error}"
+                logger.exception("skipping adapter folder %r", child.name)
             else:
                 added.append(child.name)
-                self.rejected.pop(child.name, None)
         return added
 
     def register(self, name: str, path: str | Path) -> AdapterInfo:
-        """Validate the adapter at `path` and know it as `name`. Reads no weight."""
+        """Validate the adapter at `path` and know it as `name`. Reads no weight.
+
+        Validation runs outside the store's lock. A failure leaves the name free; the base
+        model's name (`base_name`) is refused."""
+        check_name(name)
+        if self.base_name is not None and name == self.base_name:
+            raise ReservedAdapterName(
+                f"adapter name {name!r} is the base model's name; choose another name"
+            )
+        info = validate_adapter(name, path, self.layout, self.config.limits, self.root)
         with self._lock:
-            check_name(name)
-            info = validate_adapter(name, path, self.layout, self.config.limits, self.root)
             known = self._known.get(name)
             if known is not None and known.path != info.path:
                 raise AdapterError(
-                    f"adapter name {name!r} is already registered for {known.path}; "
-                    f"not re-registering it for {info.path}"
+                    f"adapter name {name!r} is already registered for {known.display_path}; "
+                    f"not re-registering it for {info.display_path}"
                 )
             self._known.setdefault(name, info)
+            self.rejected.pop(name, None)
             return self._known[name]
 
     def resolve(self, name_or_dir: str) -> str:
@@ -197,14 +226,15 @@ class AdapterStore:
         with self._lock:
             if name_or_dir in self._known:
                 return name_or_dir
-            given = Path(name_or_dir).expanduser()
-            candidates = [given]
-            if self.root is not None and not given.is_absolute():
-                candidates.insert(0, self.root / given)
-            for candidate in candidates:
-                if candidate.is_dir():
-                    name = Path(os.path.abspath(candidate)).name
-                    return self.register(name, candidate).name
+        given = Path(name_or_dir).expanduser()
+        candidates = [given]
+        if self.root is not None and not given.is_absolute():
+            candidates.insert(0, self.root / given)
+        for candidate in candidates:
+            if candidate.is_dir():
+                name = Path(os.path.abspath(candidate)).name
+                return self.register(name, candidate).name
+        with self._lock:
             raise UnknownAdapter(
                 f"unknown adapter {name_or_dir!r}: not a registered name and not an adapter "
                 f"directory; known adapters: {', '.join(self.names()) or '(none)'}"
@@ -259,36 +289,26 @@ class AdapterStore:
 
     def load(self, name: str) -> AdapterInfo:
         """Make `name` resident (evicting least recently used adapters if needed) and most
-        recently used. A resident adapter is only marked used."""
+        recently used. A resident adapter is only marked used.
+
+        The files are validated again and the weights read before the store's lock is taken
+        (unless the caller holds it): only the swap into the resident set runs under it."""
         with self._lock:
             info = self._get(name)
             if name in self._resident:
                 self._resident.move_to_end(name)
                 return info
-            fresh = validate_adapter(name, info.path, self.layout, self.config.limits, self.root)
-            victims = self._victims_for(fresh)
-            # Outside inference mode even when loaded on demand inside a generation step: inference
-            # tensors would break peft's later requires_grad bookkeeping.
-            with torch.inference_mode(False):
-                state = _read_weights(fresh, self.base_model.get_input_embeddings().weight.dtype)
-            reason = self._fast_refusal(fresh)
-            if reason is None:
-                self._bank_add(fresh, state)
-            else:
-                self._loads += 1
-                peft_name = f"slot{self._loads}"
-                self._inject(fresh, peft_name, state)
-                self._peft_names[name] = peft_name
-                self._peft_active = _UNSET
-                if self.config.backend is LoraBackend.FAST:
-                    self._fallback_loads += 1
-                    self._fallbacks[name] = reason
-                    logger.warning("adapter %r runs on peft, not the fast path: %s", name, reason)
-            for victim in victims:
-                self._evict(victim)
-            self._known[name] = fresh
-            self._resident[name] = fresh
-            return fresh
+            self._victims_for(info)  # a full store is refused before anything is read
+        fresh = validate_adapter(name, info.path, self.layout, self.config.limits, self.root)
+        # Outside inference mode even when loaded on demand inside a generation step: inference
+        # tensors would break peft's later requires_grad bookkeeping.
+        with torch.inference_mode(False):
+            state = _read_weights(fresh, self.base_model.get_input_embeddings().weight.dtype)
+        with self._lock:
+            if name in self._resident:  # another thread loaded it meanwhile
+                self._resident.move_to_end(name)
+                return self._resident[name]
+            return self._install(fresh, state)
 
     def unload(self, name: str) -> bool:
         """Drop `name`'s weights; False if it was not resident. A pinned adapter is refused."""
@@ -307,8 +327,9 @@ class AdapterStore:
         if name is None:
             yield
             return
+        self.load(name)  # validation and reading outside the lock
         with self._lock:
-            self.load(name)
+            self.load(name)  # only marks it used, unless it was evicted meanwhile
             self._pins[name] += 1
         try:
             yield
@@ -330,6 +351,8 @@ class AdapterStore:
 
         @contextlib.contextmanager
         def step() -> Iterator[None]:
+            if name is not None:
+                self.load(name)  # an evicted adapter is read again outside the lock
             with self._lock:
                 if name is not None:
                     self.load(name)
@@ -383,6 +406,29 @@ class AdapterStore:
                 f"unknown adapter {name!r}; known adapters: {', '.join(self.names()) or '(none)'}"
             )
         return info
+
+    def _install(self, fresh: AdapterInfo, state: dict[str, torch.Tensor]) -> AdapterInfo:
+        """Put validated weights into the resident set, evicting as needed. Under the lock."""
+        name = fresh.name
+        victims = self._victims_for(fresh)
+        reason = self._fast_refusal(fresh)
+        if reason is None:
+            self._bank_add(fresh, state)
+        else:
+            self._loads += 1
+            peft_name = f"slot{self._loads}"
+            self._inject(fresh, peft_name, state)
+            self._peft_names[name] = peft_name
+            self._peft_active = _UNSET
+            if self.config.backend is LoraBackend.FAST:
+                self._fallback_loads += 1
+                self._fallbacks[name] = reason
+                logger.warning("adapter %r runs on peft, not the fast path: %s", name, reason)
+        for victim in victims:
+            self._evict(victim)
+        self._known[name] = fresh
+        self._resident[name] = fresh
+        return fresh
 
     def _victims_for(self, info: AdapterInfo) -> list[str]:
         """Least recently used unpinned adapters to evict so that `info` fits the bounds."""
@@ -444,7 +490,7 @@ class AdapterStore:
                     self._peft.delete_adapter(peft_name)
                 self._peft_active = _UNSET
                 raise InvalidAdapter(
-                    f"adapter {info.name!r} ({info.path}) could not be injected: {error}"
+                    f"adapter {info.name!r} ({info.display_path}) could not be injected: {error}"
                 ) from error
 
     def _fast_refusal(self, info: AdapterInfo) -> str | None:
@@ -466,7 +512,7 @@ class AdapterStore:
                 self._bank.add(info.name, weights)
         except ValueError as error:
             raise InvalidAdapter(
-                f"adapter {info.name!r} ({info.path}) could not be loaded: {error}"
+                f"adapter {info.name!r} ({info.display_path}) could not be loaded: {error}"
             ) from error
 
     def _evict(self, name: str) -> None:
@@ -530,9 +576,15 @@ def _read_weights(info: AdapterInfo, dtype: torch.dtype) -> dict[str, torch.Tens
     """The adapter's tensors in the base dtype; non-finite values are refused."""
     try:
         state = load_file(str(info.weights_path))
-    except (SafetensorError, OSError) as error:
+    except OSError as error:
         raise CorruptAdapter(
-            f"adapter {info.name!r}: cannot read {info.weights_path}: {error}"
+            f"adapter {info.name!r}: cannot read {info.display_path}/{info.weights_path.name}: "
+            f"{error.strerror or error}"
+        ) from error
+    except (SafetensorError, ValueError, RuntimeError) as error:
+        raise CorruptAdapter(
+            f"adapter {info.name!r}: cannot read {info.display_path}/{info.weights_path.name}: "
+            f"{error}"
         ) from error
     for key, tensor in state.items():
         if not torch.isfinite(tensor).all():

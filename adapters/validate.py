@@ -20,7 +20,14 @@ and what the fingerprint of the base means; and peft's `adapter_names` batching 
 batches) does not cover embedding LoRA. Refusing is the honest choice until an adapter needs it.
 
 Names must match `NAME_PATTERN`; with a root configured, the directory and every file in it must
-resolve inside the root (no `..`, no symlink leading out).
+resolve inside the root (no `..`, no symlink leading out, no hard link: one may share its data with
+a file anywhere on the same filesystem). Errors name adapters by their path relative to the root,
+never by the resolved absolute path.
+
+A config is untrusted: its values are type- and bound-checked (`config_values.py`) and the regular
+expressions peft would build from it are refused when they could backtrack badly (`patterns.py`)
+before peft sees it. Every failure is an `AdapterError`, never a stray TypeError, RecursionError or
+OSError.
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from selfspec.adapters.config_values import (
+    check_config_values,
+    check_depth,
+    cut,
+    short_repr,
+)
 from selfspec.adapters.errors import (
+    AdapterError,
     AdapterPathError,
     CorruptAdapter,
     IncompatibleAdapter,
@@ -45,6 +59,8 @@ from selfspec.adapters.errors import (
     RankTooHigh,
     UnsafeAdapterName,
 )
+from selfspec.adapters.patterns import check_config_patterns
+from selfspec.adapters.shipped import EXAMPLES_DIR
 from selfspec.fingerprint import BaseFingerprint, FingerprintMismatch, check_compatible
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -147,15 +163,26 @@ class AdapterInfo:
     """Config keys unknown to this peft whose value was empty, dropped."""
     heads_path: Path | None = None
     """`<adapter>/heads` when the adapter carries its own recalibrated heads."""
+    root: Path | None = None
+    """Resolved adapters root it was validated under; None without one."""
 
     @property
     def weights_path(self) -> Path:
         return self.path / WEIGHTS_FILE
 
+    @property
+    def display_path(self) -> str:
+        """Where the adapter is, fit to show a client: its directory relative to the adapters
+        root (POSIX separators), or its name when there is no root. Never an absolute path."""
+        if self.root is not None and self.path.is_relative_to(self.root):
+            return self.path.relative_to(self.root).as_posix()
+        return self.name
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "path": str(self.path),
+            "display_path": self.display_path,
             "modules": len(self.modules),
             "max_rank": self.max_rank,
             "lora_alpha": self.config.get("lora_alpha"),
@@ -168,8 +195,8 @@ def check_name(name: object) -> str:
     """`name` if it matches `NAME_PATTERN`; else `UnsafeAdapterName`."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise UnsafeAdapterName(
-            f"adapter name {name!r} is not allowed: expected 1-64 characters of letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit (no path characters)"
+            f"adapter name {short_repr(name)} is not allowed: expected 1-64 characters of "
+            "letters, digits, '.', '_' or '-', starting with a letter or digit (no path characters)"
         )
     return name
 
@@ -187,8 +214,8 @@ def resolve_adapter_dir(path: str | Path, root: Path | None) -> Path:
         resolved = (given if given.is_absolute() else real_root / given).resolve()
         if resolved == real_root or not resolved.is_relative_to(real_root):
             raise AdapterPathError(
-                f"adapter path {str(path)!r} resolves to {resolved}, outside the adapters root "
-                f"{real_root} (symlinks are followed before the check)"
+                f"adapter path {str(path)!r} resolves outside the adapters root (symlinks are "
+                "followed before the check)"
             )
     else:
         resolved = given.resolve()
@@ -204,10 +231,26 @@ def validate_adapter(
     limits: AdapterLimits = AdapterLimits(),
     root: Path | None = None,
 ) -> AdapterInfo:
-    """Check that `path` holds a plain LoRA adapter fitting the base `layout`; read no weight."""
+    """Check that `path` holds a plain LoRA adapter fitting the base `layout`; read no weight.
+    Any failure is an `AdapterError` naming the adapter (I/O errors included)."""
     check_name(name)
+    try:
+        return _validate(name, path, layout, limits, root)
+    except AdapterError:
+        raise
+    except (OSError, RecursionError, OverflowError, MemoryError) as error:
+        raise InvalidAdapter(
+            f"adapter {name!r} ({_shown(path, root)}) cannot be validated: "
+            f"{_describe(error)}"
+        ) from error
+
+
+def _validate(
+    name: str, path: str | Path, layout: BaseLayout, limits: AdapterLimits, root: Path | None
+) -> AdapterInfo:
     directory = resolve_adapter_dir(path, root)
-    where = f"adapter {name!r} ({directory})"
+    # Without a root the operator named the path: show it as given, not resolved.
+    where = f"adapter {name!r} ({_shown(directory if root is not None else path, root)})"
     config_path = _file_inside(directory, CONFIG_FILE, root, where)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.exists():
@@ -221,7 +264,7 @@ def validate_adapter(
     weights_path = _file_inside(directory, WEIGHTS_FILE, root, where)
     raw = _read_config(config_path, where)
     config, ignored = _plain_lora_config(raw, where)
-    _check_meta(directory, layout, where)
+    _check_meta(directory, layout, root, where)
     stat = weights_path.stat()
     if stat.st_size > limits.max_file_bytes:
         raise InvalidAdapter(
@@ -230,9 +273,14 @@ def validate_adapter(
         )
     for rank in [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-            raise InvalidAdapter(f"{where}: LoRA rank must be an int >= 1, got {rank!r}")
+            raise InvalidAdapter(
+                f"{where}: {CONFIG_FILE}: LoRA rank must be an int >= 1, got {short_repr(rank)}"
+            )
         if rank > limits.max_rank:
-            raise RankTooHigh(f"{where} has LoRA rank {rank}, above the limit of {limits.max_rank}")
+            raise RankTooHigh(
+                f"{where}: {CONFIG_FILE} gives LoRA rank {short_repr(rank)}, above the limit of "
+                f"{limits.max_rank}"
+            )
     targeted = _targeted_modules(config, layout, where)
     shapes = _header_shapes(weights_path, where)
     modules, max_rank, numel = _check_tensors(shapes, layout, limits, where)
@@ -242,7 +290,7 @@ def validate_adapter(
             f"{where}: its config targets {len(targeted)} modules of this base but its weights "
             f"hold {len(modules)}; without weights: {missing[:3]}, not targeted: {extra[:3]}"
         )
-    heads = directory / HEADS_DIR
+    heads = _heads_inside(directory, root, where)
     return AdapterInfo(
         name=name,
         path=directory,
@@ -254,32 +302,94 @@ def validate_adapter(
         weights_size=stat.st_size,
         weights_mtime_ns=stat.st_mtime_ns,
         ignored_fields=ignored,
-        heads_path=heads if (heads / "config.json").is_file() else None,
+        heads_path=heads,
+        root=root.resolve() if root is not None else None,
     )
 
 
+def _shown(path: str | Path, root: Path | None) -> str:
+    """`path` as errors show it: relative to the root when inside it, else as given."""
+    if root is not None:
+        real_root = root.resolve()
+        absolute = Path(path) if Path(path).is_absolute() else real_root / path
+        if absolute.is_relative_to(real_root):
+            return absolute.relative_to(real_root).as_posix()
+        return Path(path).name
+    return str(path)
+
+
+def _describe(error: BaseException) -> str:
+    """An exception's message without the absolute file names an OSError carries."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {cut(str(error))}"
+
+
+def _heads_inside(directory: Path, root: Path | None, where: str) -> Path | None:
+    """`<adapter>/heads` when it holds a heads checkpoint; with a root, it and each file in it
+    must lie inside the root, like the adapter's own files."""
+    heads = directory / HEADS_DIR
+    if not (heads / "config.json").is_file():
+        return None
+    if root is None:
+        return heads
+    resolved = heads.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise AdapterPathError(f"{where}: {HEADS_DIR}/ is a link leading outside the adapters root")
+    for child in sorted(heads.iterdir()):
+        if child.is_file():
+            _file_inside(heads, child.name, root, f"{where}: {HEADS_DIR}/")
+    return heads
+
+
 def _file_inside(directory: Path, filename: str, root: Path | None, where: str) -> Path:
+    """Resolved `directory/filename`; with a root, neither a symlink leading out of it nor a hard
+    link (whose other names could lie anywhere on the filesystem)."""
     path = directory / filename
     if not path.is_file():
         raise InvalidAdapter(f"{where} has no {filename}")
     resolved = path.resolve()
-    fence = root.resolve() if root is not None else None
-    if fence is not None and not resolved.is_relative_to(fence):
+    if root is None:
+        return resolved
+    real_root = root.resolve()
+    if not resolved.is_relative_to(real_root):
+        raise AdapterPathError(f"{where}: {filename} is a link to a file outside the adapters root")
+    links = resolved.stat().st_nlink
+    # The package's own examples are trusted like its code (installers such as uv hard-link the
+    # files of a package to their cache).
+    if links > 1 and real_root != EXAMPLES_DIR.resolve():
         raise AdapterPathError(
-            f"{where}: {filename} is a link to {resolved}, outside the adapters root {fence}"
+            f"{where}: {filename} is a hard link ({links} names for one file), which may share its "
+            "data with a file outside the adapters root; replace it with a copy"
         )
     return resolved
 
 
 def _read_config(path: Path, where: str) -> dict[str, Any]:
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise InvalidAdapter(f"{where}: {CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    """The JSON object in `path` (the config or the meta file), read with bounded size and depth."""
+    filename = path.name
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidAdapter(f"{where}: {CONFIG_FILE} is not valid JSON: {error}") from error
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise InvalidAdapter(f"{where}: {filename} is larger than {MAX_CONFIG_BYTES} bytes")
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise InvalidAdapter(
+            f"{where}: {filename} cannot be read: {_describe(error)}"
+        ) from error
+    except UnicodeDecodeError as error:
+        raise InvalidAdapter(f"{where}: {filename} is not UTF-8 text: {error}") from error
+    try:
+        data = json.loads(text)
+    # ValueError: a malformed document (JSONDecodeError) or an int of more than 4,300 digits;
+    # RecursionError: arrays or objects nested thousands of levels deep.
+    except (ValueError, RecursionError) as error:
+        why = "it is nested too deeply" if isinstance(error, RecursionError) else error
+        raise InvalidAdapter(
+            f"{where}: {filename} is not valid JSON: {cut(str(why))}"
+        ) from None
     if not isinstance(data, dict):
-        raise InvalidAdapter(f"{where}: {CONFIG_FILE} must hold a JSON object")
+        raise InvalidAdapter(f"{where}: {filename} must hold a JSON object")
+    check_depth(data, f"{where}: {filename}")
     return data
 
 
@@ -289,8 +399,8 @@ def _plain_lora_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any],
 
     if raw.get("peft_type") != "LORA":
         raise InvalidAdapter(
-            f"{where} is a {raw.get('peft_type')!r} adapter; only peft LoRA (peft_type LORA) is "
-            "supported"
+            f"{where} is a {short_repr(raw.get('peft_type'))} adapter; only peft LoRA "
+            "(peft_type LORA) is supported"
         )
     for key, what in _TRUE_REFUSED.items():
         if raw.get(key):
@@ -301,39 +411,42 @@ def _plain_lora_config(raw: dict[str, Any], where: str) -> tuple[dict[str, Any],
     init = raw.get("init_lora_weights", True)
     if init not in (True, False, "gaussian"):
         raise InvalidAdapter(
-            f"{where} was initialised with init_lora_weights={init!r}, which rewrites the base "
-            "weights (PiSSA, OLoRA, LoftQ, ...) so it is not a delta on this base; convert it to "
-            "plain LoRA first (peft save_pretrained(path_initial_model_for_weight_conversion=...))"
+            f"{where} was initialised with init_lora_weights={short_repr(init)}, which rewrites "
+            "the base weights (PiSSA, OLoRA, LoftQ, ...) so it is not a delta on this base; "
+            "convert it to plain LoRA first "
+            "(peft save_pretrained(path_initial_model_for_weight_conversion=...))"
         )
     if raw.get("bias", "none") != "none":
         raise InvalidAdapter(
-            f"{where} trains biases of the base (bias={raw.get('bias')!r}); only bias='none' keeps "
-            "the base weights untouched"
+            f"{where} trains biases of the base (bias={short_repr(raw.get('bias'))}); only "
+            "bias='none' keeps the base weights untouched"
         )
     if not raw.get("target_modules"):
         raise InvalidAdapter(f"{where}: {CONFIG_FILE} names no target_modules")
+    check_config_values(raw, f"{where}: {CONFIG_FILE}")
+    check_config_patterns(raw, f"{where}: {CONFIG_FILE}")
     known = {f.name for f in fields(LoraConfig) if f.init}
     unknown = sorted(set(raw) - known)
     meaningful = [k for k in unknown if raw[k] not in (None, False, [], {}, "")]
     if meaningful:
         raise InvalidAdapter(
-            f"{where}: {CONFIG_FILE} has fields this peft does not know: {meaningful} (made by a "
+            f"{where}: {CONFIG_FILE} has fields this peft does not know: "
+            f"{short_repr(meaningful, 200)} (made by a "
             "newer peft?); refusing rather than ignoring them"
         )
     return {k: v for k, v in raw.items() if k in known}, tuple(unknown)
 
 
-def _check_meta(directory: Path, layout: BaseLayout, where: str) -> None:
-    path = directory / META_FILE
-    if not path.is_file() or layout.fingerprint is None:
+def _check_meta(directory: Path, layout: BaseLayout, root: Path | None, where: str) -> None:
+    if not (directory / META_FILE).is_file() or layout.fingerprint is None:
         return
-    data = _read_config(path, where)
+    data = _read_config(_file_inside(directory, META_FILE, root, where), where)
     base = data.get("base")
     if base is None:
         return
     try:
         check_compatible(BaseFingerprint.from_dict(base), layout.fingerprint, what=where)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
         kind = IncompatibleAdapter if isinstance(error, FingerprintMismatch) else InvalidAdapter
         raise kind(f"{where}: {META_FILE}: {error}") from error
 
@@ -347,10 +460,14 @@ def _header_shapes(path: Path, where: str) -> dict[str, tuple[str, tuple[int, ..
                 tensor_slice = handle.get_slice(key)
                 out[key] = (tensor_slice.get_dtype(), tuple(tensor_slice.get_shape()))
             return out
-    except (SafetensorError, OSError) as error:
+    except OSError as error:
+        raise InvalidAdapter(
+            f"{where}: {WEIGHTS_FILE} cannot be read: {_describe(error)}"
+        ) from error
+    except (SafetensorError, ValueError, RuntimeError, OverflowError) as error:
         raise CorruptAdapter(
             f"{where}: {WEIGHTS_FILE} is not a complete safetensors file (truncated or "
-            f"corrupt?): {error}"
+            f"corrupt?): {cut(str(error))}"
         ) from error
 
 
@@ -414,21 +531,22 @@ def _targeted_modules(config: Mapping[str, Any], layout: BaseLayout, where: str)
 
     try:
         lora = LoraConfig(**config)
-    except (TypeError, ValueError) as error:
+        if lora.target_modules == "all-linear":
+            return set(layout.linear)
+        # Only the base's own module names are matched; the patterns were bounded beforehand.
+        targeted = {
+            name
+            for name in layout.modules
+            if name and check_target_module_exists(lora, name)
+        }
+    except (TypeError, ValueError, KeyError, AttributeError, re.error) as error:
         raise InvalidAdapter(
-            f"{where}: {CONFIG_FILE} is not a valid LoRA config: {error}"
+            f"{where}: {CONFIG_FILE} is not a valid LoRA config: {cut(str(error))}"
         ) from error
-    if lora.target_modules == "all-linear":
-        return set(layout.linear)
-    targeted = {
-        name
-        for name in layout.modules
-        if name and check_target_module_exists(lora, name)
-    }
     if not targeted:
         raise IncompatibleAdapter(
-            f"{where}: its target_modules {lora.target_modules!r} do not exist in the loaded base "
-            "(an adapter for another architecture?)"
+            f"{where}: its target_modules {short_repr(lora.target_modules, 200)} do not exist in "
+            "the loaded base (an adapter for another architecture?)"
         )
     for name in sorted(targeted):
         if name in layout.embeddings:

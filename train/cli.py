@@ -8,6 +8,7 @@ or from a YAML file (``--config``). ``train`` is a LightningCLI over `HeadsModul
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from dataclasses import fields
 
@@ -47,6 +48,30 @@ def distill_main(argv: list[str] | None = None) -> int:
         f"({report.tokens_per_second:.1f} tokens/s)"
     )
     return 0
+
+
+LIGHTNING_CKPT_VALUES = ("last", "best", "hpc", "registry")
+"""What Lightning's `ckpt_path` takes besides a path ("registry:<name>" included)."""
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*::|://")
+
+
+def check_ckpt_path(ckpt_path: str | None) -> str | None:
+    """`ckpt_path` if it is a local checkpoint path or one of `LIGHTNING_CKPT_VALUES`.
+
+    A URL (`http://...`, `s3://...`, any `scheme://` or fsspec chain `a::b`) is refused: Lightning
+    would fetch it and unpickle it with `torch.load(weights_only=False)`, which runs any code the
+    file holds. Download a checkpoint you trust first and pass its local path."""
+    if ckpt_path is None:
+        return None
+    if not isinstance(ckpt_path, str) or not ckpt_path:
+        raise ValueError(f"--ckpt_path must be a non-empty string, got {ckpt_path!r}")
+    if _URL.search(ckpt_path):  # LIGHTNING_CKPT_VALUES never match
+        raise ValueError(
+            f"--ckpt_path {ckpt_path!r} is a URL; resuming only reads local checkpoints, since "
+            "Lightning unpickles them (torch.load with weights_only=False) and a remote file could "
+            "run code: download it, check it, and pass the local path"
+        )
+    return ckpt_path
 
 
 def train_main(argv: list[str] | None = None) -> int:

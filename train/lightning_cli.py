@@ -13,6 +13,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 from selfspec.target import TargetLoadError
+from selfspec.train.cli import check_ckpt_path
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.export import ExportHeads
 from selfspec.train.memory import MemoryBudgetError
@@ -29,6 +30,10 @@ class TrainCLI(LightningCLI):
             help='Lightning checkpoint to resume from; "last" takes the newest of ModelCheckpoint',
         )
         parser.add_lightning_class_args(ExportHeads, "export")
+
+    def before_instantiate_classes(self) -> None:
+        # Before anything is built or fetched: Lightning would unpickle a remote checkpoint.
+        check_ckpt_path(self.config.get("ckpt_path"))
 
 
 def run_train(argv: list[str] | None = None) -> int:

@@ -87,3 +87,28 @@ def test_generate_uses_the_adapters_own_heads(capsys, target_and_heads, adapter_
     assert "own heads" not in runs["--no-adapter-heads"][1]
     expected = reference_under(adapter_root / "attn", make_tiny_tokenizer().encode(PROMPT), NEW)
     assert runs["--adapter-heads"][0] == runs["--no-adapter-heads"][0] == expected
+
+
+@pytest.mark.parametrize(
+    ("config_text", "says"),
+    [
+        ('{"peft_type": "LORA", "target_modules": "(.*)(.*)(.*)(.*)(.*)(.*)X"}', "backtracking"),
+        ("[" * 200_000 + "]" * 200_000, "nested too deeply"),
+        ('{"r": ' + "9" * 5000 + "}", "Exceeds the limit"),
+    ],
+)
+def test_generate_with_a_bad_adapter_is_a_clear_error(
+    capsys, target_and_heads, adapter_root, tmp_path, config_text, says
+) -> None:
+    import shutil
+
+    target, _ = target_and_heads
+    bad = shutil.copytree(adapter_root / "attn", tmp_path / "root" / "bad")
+    (bad / "adapter_config.json").write_text(config_text)
+    common = ["--prompt", PROMPT, "--model", str(target), "--no-speculation"]
+    by_dir = _generate(capsys, *common, "--adapter", str(bad))
+    by_name = _generate(capsys, *common, "--adapter", "bad", "--adapters-root", str(bad.parent))
+    for code, err in (by_dir, by_name):
+        assert code == 2
+        assert "selfspec generate: error: adapter 'bad'" in err and says in err, err
+        assert "Traceback" not in err
