@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
 from selfspec.heads import load_heads
+from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaError, load_delta
 from selfspec.logprobs import TokenLogprob
 from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import SamplingParams
@@ -92,6 +93,9 @@ class ServerState:
     """Requests on an adapter that carries recalibrated heads (``<adapter>/heads/``, see
     ``selfspec recalibrate``) speculate with those; False: the shared heads for all."""
     _generators: dict[str, SpeculativeGenerator] = field(default_factory=dict, init=False)
+    delta_bank: DeltaBank | None = field(default=None, init=False)
+    """Adapters' draft deltas over the shared heads (``selfspec.heads.delta``), loaded on each
+    adapter's first request."""
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
@@ -128,6 +132,7 @@ class ServerState:
             return self.generator
         heads_path = self.store.info(adapter).heads_path
         if heads_path is None:
+            self._load_delta(adapter)  # the shared heads, with the adapter's delta if it has one
             return self.generator
         with self.lock:
             own = self._generators.get(adapter)
@@ -144,6 +149,42 @@ class ServerState:
                 own.prefix_cache = self.prefix_cache
                 self._generators[adapter] = own
             return own
+
+
+    def _load_delta(self, adapter: str) -> None:
+        """Register ``<adapter>/heads-delta/`` in the shared heads' delta bank (once). A bad
+        delta: 400 naming the adapter."""
+        directory = self.store.info(adapter).path / DELTA_DIR
+        if not directory.is_dir():
+            return
+        with self.lock:
+            if self.delta_bank is not None and adapter in self.delta_bank:
+                return
+            try:
+                delta = load_delta(directory, self.generator.heads)
+            except DeltaError as error:
+                raise bad_request(
+                    f"adapter {adapter!r} carries a draft delta that cannot be used: {error}",
+                    "model",
+                ) from error
+            if self.delta_bank is None:  # wraps the shared heads' layers; same output unless active
+                self.delta_bank = DeltaBank(self.generator.heads)
+            self.delta_bank.add(adapter, delta)
+
+    def scope_for(self, adapter: str | None) -> Callable[[], contextlib.AbstractContextManager]:
+        """A request's step scope: its adapter active in the target and, when it carries a
+        draft delta, that delta in the heads."""
+        store_scope = self.store.scope(adapter)
+        bank = self.delta_bank
+        if bank is None or adapter not in bank:
+            return store_scope
+
+        @contextlib.contextmanager
+        def with_delta() -> Iterator[None]:
+            with store_scope(), bank.active(adapter):
+                yield
+
+        return with_delta
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -185,7 +226,7 @@ def create_app(state: ServerState) -> FastAPI:
         with state.lock:
             names = sorted(state.served)
         for name in names:
-            root = str(state.store.info(name).path)
+            root = state.store.info(name).display_path  # never a resolved absolute path
             data.append(_model_card(name, state.created, state.model_name, root))
         return JSONResponse({"object": "list", "data": data})
 
@@ -311,7 +352,7 @@ async def _serve(
     for index in range(parsed.n):
         # Choice i: seed + i, so a seeded request repeats exactly and its choices differ.
         seed = None if parsed.seed is None else parsed.seed + index
-        scope = state.store.scope(adapter) if state.store is not None else None
+        scope = state.scope_for(adapter) if state.store is not None else None
         try:
             streams.append(generator.stream(prompt_ids, replace(config, seed=seed), scope))
         except ValueError as error:
@@ -682,6 +723,8 @@ def _unload_adapter(state: ServerState, name: str) -> None:
             state.served.add(name)
         raise bad_request(f"cannot unload adapter {name!r}: {error}", "lora_name") from error
     state.metrics.forget(name)
+    if state.delta_bank is not None:
+        state.delta_bank.remove(name)
     if state.prefix_cache is not None:
         state.prefix_cache.drop(name)  # a later load under this name may be other weights
 
