@@ -157,6 +157,7 @@ class RequestState:
     step_logprobs: list[TokenLogprob] = field(default_factory=list)
     """Those of the tokens the last prefill / step chose, until the stream commits them."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With ``GenerationConfig.prompt_logprobs``: the prompt's, None for its first token."""
 
     @property
     def calibration(self) -> float:
