@@ -196,7 +196,11 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         root = examples_root()
     modules = dict(m.partition("=")[::2] for m in args.lora_modules)
     store = AdapterStore(
-        target.model, root=root, adapters=modules, config=StoreConfig(backend=args.lora_backend)
+        target.model,
+        root=root,
+        adapters=modules,
+        config=StoreConfig(backend=args.lora_backend),
+        base_name=target.name,  # an adapter under the base's name could never be reached
     )
     tree = parse_tree_spec(args.tree)
     # Adaptive trees (the default) size their steps from this machine's measured cost curve.

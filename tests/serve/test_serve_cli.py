@@ -68,6 +68,18 @@ def test_explicit_lora_modules_without_a_root(assets) -> None:
     assert state.served == {"mine"} and not state.can_speculate
 
 
+def test_an_adapter_named_like_the_base_model_is_refused_at_startup(assets) -> None:
+    from selfspec.adapters import AdapterError
+
+    args = ServeArgs(
+        model=str(assets["target"]),
+        heads="none",
+        lora_modules=(f"tiny-llama={assets['adapters'] / 'mlp'}",),
+    )
+    with pytest.raises(AdapterError, match="tiny-llama"):
+        build_state(args)
+
+
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
     with pytest.raises(ValueError, match="--lora-modules"):
         ServeArgs(lora_modules=("no-equals-sign",))
