@@ -38,12 +38,14 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import Cache
 
+from selfspec.kernels import extension
 from selfspec.kernels import ops as kernels
 from selfspec.kernels.modules import uses_kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def unsupported_reason(body: nn.Module) -> str | None:
@@ -92,6 +94,13 @@ class LeanBody:
         self.fixed_order = (
             uses_kernels(body) if fixed_order_attention is None else fixed_order_attention
         )
+        # With fixed-order attention, an fp32 forward's RMS norms and rotary embedding run as one
+        # C++ call each instead of ~8 and ~6 small torch ops (a 1-token step makes ~400 such
+        # calls): the norm in its own fixed order per row, the rotary with the same bits.
+        norms = [body.norm] + [getattr(layer, part) for layer in self.layers for part in _NORMS]
+        self.fused_glue = (
+            self.fixed_order and extension.load() is not None and all(map(_plain_norm, norms))
+        )
 
     def covers(
         self,
@@ -118,7 +127,12 @@ class LeanBody:
         body = self.body
         hidden = body.embed_tokens(input_ids)  # [B, S, H]
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
-        cos, signed_sin = cos.unsqueeze(2), _sign_folded(sin).unsqueeze(2)  # [B, S, 1, D]
+        signed_sin = _sign_folded(sin)
+        fused = self.fused_glue and hidden.dtype == torch.float32
+        norm = _fused_norm if fused else _module_norm
+        if not fused:
+            cos, signed_sin = cos.unsqueeze(2), signed_sin.unsqueeze(2)  # [B, S, 1, D]
+        rotate = _fused_rotate if fused else _rotate
         batch, length = input_ids.shape
         causal = attention_mask is None and length > 1  # a prompt over an empty cache
         fixed_mask = (
@@ -129,13 +143,13 @@ class LeanBody:
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             head_dim = attention.head_dim
-            normed = layer.input_layernorm(hidden)
+            normed = norm(layer.input_layernorm, hidden)
             # [B, S, heads * D] -> [B, S, heads, D], rotated, then -> [B, heads, S, D] (a view)
             query = attention.q_proj(normed).view(batch, length, -1, head_dim)
             key = attention.k_proj(normed).view(batch, length, -1, head_dim)
             value = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
-            query = _rotate(query, cos, signed_sin)  # [B, S, heads, D]
-            key = _rotate(key, cos, signed_sin).transpose(1, 2)
+            query = rotate(query, cos, signed_sin)  # [B, S, heads, D]
+            key = rotate(key, cos, signed_sin).transpose(1, 2)
             key, value = cache.update(key, value, index)  # [B, kv_heads, cache + S, D]
             if self.fixed_order:
                 attended = kernels.attention(query, key, value, fixed_mask, attention.scaling)
@@ -145,8 +159,42 @@ class LeanBody:
                 attended = _attend(query, key, value, attention_mask, attention.scaling, causal)
                 attended = attended.transpose(1, 2).contiguous().reshape(batch, length, -1)
             hidden = hidden + attention.o_proj(attended)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return body.norm(hidden)
+            hidden = hidden + layer.mlp(norm(layer.post_attention_layernorm, hidden))
+        return norm(body.norm, hidden)
+
+
+def _plain_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' plain RMS norm (``weight * (x * rsqrt(mean(x^2) +
+    eps))``, as Llama, Qwen2 and Mistral define it)."""
+    return (
+        type(module).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    )
+
+
+def _module_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return norm(hidden)
+
+
+def _fused_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``norm(hidden)`` in one C++ call (fp32 hidden states and weight). A norm with hooks on
+    it (``selfspec.drafting.taps`` reads the stream entering a layer so, for one forward) is
+    called as a module. # [B, S, H]"""
+    if norm.weight.dtype != torch.float32 or norm._forward_hooks or norm._forward_pre_hooks:
+        return norm(hidden)
+    return kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+
+
+def _fused_rotate(
+    states: torch.Tensor,  # [B, S, heads, D] float32, a projection's fresh output
+    cos: torch.Tensor,  # [B, S, D]
+    signed_sin: torch.Tensor,  # [B, S, D]
+) -> torch.Tensor:
+    """``_rotate`` in one C++ call, in place, the same bits. # [B, S, heads, D]"""
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        return _rotate(states, cos.unsqueeze(2), signed_sin.unsqueeze(2))
+    return kernels.rotary_(states, cos, signed_sin)
 
 
 def _sign_folded(sin: torch.Tensor) -> torch.Tensor:

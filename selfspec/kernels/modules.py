@@ -56,13 +56,16 @@ class KernelLinear(nn.Linear):
         ):
             return F.linear(x, weight, self.bias)
         kernel_weight = self.kernel_weight()
-        rows = x.reshape(-1, x.shape[-1])  # [M, K]
-        if extension.load() is not None:
-            bias = None if self.bias is None else self.bias.float()
-            out = ops.linear(rows.float().contiguous(), kernel_weight, bias)
-        else:
+        if extension.load() is None:
+            rows = x.reshape(-1, x.shape[-1])  # [M, K]
             out = ops.linear_fallback(rows.to(self._dense().dtype), self._dense(), self.bias)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        # A decoding step calls this ~200 times: the kernel takes [..., K] as it is and nothing
+        # is converted that is already fp32 and contiguous.
+        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        bias = None if self.bias is None else self.bias.float()
+        out = ops.linear(rows, kernel_weight, bias)  # [..., N] float32
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def kernel_weight(self) -> KernelWeight:
         """The weight in kernel form, converted again if the dense weight changed since."""

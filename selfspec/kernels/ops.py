@@ -26,11 +26,11 @@ def kernel_isa() -> str:
 
 
 def linear(
-    x: torch.Tensor,  # [M, K] float32, contiguous
+    x: torch.Tensor,  # [..., K] float32, contiguous
     weight: KernelWeight,
     bias: torch.Tensor | None = None,  # [N] float32
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` through the C++ kernel. # [M, N] float32"""
+    """``x @ weight.T + bias`` through the C++ kernel. # [..., N] float32"""
     module = extension.load()
     if module is None:
         raise extension.KernelError("the C++ kernels are not built here; use linear_fallback")
@@ -59,6 +59,35 @@ def linear_fallback(
     if rows > FALLBACK_ROW_LIMIT:
         return F.linear(x, dense, bias)
     return torch.cat([F.linear(x[i : i + 1].clone(), dense, bias) for i in range(rows)])
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H] float32
+    weight: torch.Tensor,  # [H] float32
+    eps: float,
+) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))``, each row in a fixed order (C++). # [..., H]"""
+    return _module().rms_norm(
+        x.contiguous(), weight.contiguous(), float(eps), extension.requested_isa()
+    )
+
+
+def rotary_(
+    x: torch.Tensor,  # [B, S, heads, D] float32, contiguous
+    cos: torch.Tensor,  # [B, S, D] float32
+    signed_sin: torch.Tensor,  # [B, S, D] float32, first half negated
+) -> torch.Tensor:
+    """``x * cos + swap_halves(x) * signed_sin`` in place (C++), the same bits as those three
+    torch ops. # [B, S, heads, D]"""
+    _module().rotary_(x, cos.contiguous(), signed_sin.contiguous())
+    return x
+
+
+def _module():
+    module = extension.load()
+    if module is None:
+        raise extension.KernelError("the C++ kernels are not built here")
+    return module
 
 
 def attention(

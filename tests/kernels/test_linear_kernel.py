@@ -150,9 +150,18 @@ def test_bad_weights_are_clear_errors(make, message: str) -> None:
 
 
 @pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+def test_leading_dimensions_are_rows() -> None:
+    weight = quantize_q4_1(torch.randn(40, 64, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
+    out = ops.linear(x, weight)
+    assert out.shape == (2, 3, 40)
+    assert torch.equal(out, ops.linear(x.reshape(6, 64), weight).view(2, 3, 40))
+
+
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
 def test_the_extension_checks_its_arguments() -> None:
     module = extension.load()
-    with pytest.raises(RuntimeError, match="2-D float32"):
+    with pytest.raises(RuntimeError, match=r"float32 tensor \[\.\.\., K\]"):
         module.linear(
             torch.zeros(2, 4, dtype=torch.float64),
             0,

@@ -78,11 +78,8 @@ template <int64_t FORMAT>
 SS_INLINE void weight_pair(const RowRef& row, int64_t k, int64_t group_shift, V& lo, V& hi) {
   if constexpr (FORMAT == kQ4_1) {
     const int64_t block = k >> 5;
-    V q_lo, q_hi;
-    vload_q4(reinterpret_cast<const uint8_t*>(row.data) + block * 16, q_lo, q_hi);
-    const V d = vset1(row.scale[block]), m = vset1(row.minimum[block]);
-    lo = vadd(vmul(q_lo, d), m);
-    hi = vadd(vmul(q_hi, d), m);
+    vdequant_q4(reinterpret_cast<const uint8_t*>(row.data) + block * 16, row.scale[block],
+                row.minimum[block], lo, hi);
   } else {
     lo = weight_chunk<FORMAT>(row, k, 16, group_shift);
     hi = weight_chunk<FORMAT>(row, k + 16, 16, group_shift);
@@ -370,5 +367,37 @@ void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float
   for (int64_t item = begin; item < end; ++item) {
     if (p.kv_bf16) attend_one<true>(p, item, scratch);
     else attend_one<false>(p, item, scratch);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMS norm: out = weight * (x * r), r = 1 / sqrt(mean(x^2) + eps), per row; the sum of squares
+// in lane h % 16 (h ascending), then vhsum's fixed order: a row's result depends on that row.
+
+void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end) {
+  const int64_t H = p.H, full = H / 16;
+  const int rest = static_cast<int>(H - 16 * full);
+  for (int64_t row = begin; row < end; ++row) {
+    const float* x = p.x + row * H;
+    float* out = p.out + row * H;
+    V acc = vzero();
+    for (int64_t c = 0; c < full; ++c) {
+      const V v = vload(x + 16 * c);
+      acc = vfma(v, v, acc);
+    }
+    if (rest) {
+      const V v = vload_n(x + 16 * full, rest);
+      acc = vfma(v, v, acc);
+    }
+    const float r = 1.0f / std::sqrt(vhsum(acc) / static_cast<float>(H) + p.eps);
+    const V rv = vset1(r);
+    for (int64_t c = 0; c < full; ++c) {
+      vstore(out + 16 * c, vmul(vload(p.weight + 16 * c), vmul(vload(x + 16 * c), rv)));
+    }
+    if (rest) {
+      alignas(64) float buffer[16];
+      vstore(buffer, vmul(vload_n(p.weight + 16 * full, rest), vmul(vload_n(x + 16 * full, rest), rv)));
+      for (int l = 0; l < rest; ++l) out[16 * full + l] = buffer[l];
+    }
   }
 }

@@ -1,4 +1,5 @@
 // The kernels compiled for AVX2 with FMA. No torch header here: see params.h.
+#include <cmath>
 #include <cstdint>
 
 #include "params.h"

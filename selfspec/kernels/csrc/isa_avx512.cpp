@@ -1,4 +1,5 @@
 // The kernels compiled for AVX-512 (F, BW, VL, DQ) with FMA. No torch header here: see params.h.
+#include <cmath>
 #include <cstdint>
 
 #include "params.h"

@@ -12,10 +12,12 @@ namespace selfspec_kernels {
 namespace avx512 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 }  // namespace avx512
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 }  // namespace avx2
 
 namespace {
@@ -65,7 +67,7 @@ std::vector<std::string> supported_isas() {
   return out;
 }
 
-// x [M, K] fp32 -> y [M, N] fp32. `weight` by format: fp32 / bf16 / int8 [N, K], or uint8
+// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32. `weight` by format: fp32 / bf16 / int8 [N, K], or uint8
 // [N, K / 32, 16] for q4_1; `scale` [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1).
 torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& scale,
@@ -74,8 +76,8 @@ torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor
                      const std::string& isa) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., K]");
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K;
   const int64_t N = weight.size(0);
   LinearParams p{};
   p.x = x.data_ptr<float>();
@@ -133,7 +135,9 @@ torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be float32 [N]");
     p.bias = bias->data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  auto y = torch::empty(out_shape, x.options());
   p.y = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;
   const bool wide = resolve_isa(isa) == "avx512";
@@ -207,6 +211,70 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// x [..., H] fp32 -> weight * (x * rsqrt(mean(x^2) + eps)) [..., H], each row in a fixed order.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       const std::string& isa) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., H]");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 && weight.size(0) == H,
+              "norm weight must be float32 [", H, "]");
+  NormParams p{};
+  p.x = x.data_ptr<float>();
+  p.weight = weight.data_ptr<float>();
+  p.H = H;
+  p.rows = H == 0 ? 0 : x.numel() / H;
+  p.eps = static_cast<float>(eps);
+  auto out = torch::empty_like(x);
+  p.out = out.data_ptr<float>();
+  if (p.rows == 0) return out;
+  const bool wide = resolve_isa(isa) == "avx512";
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, H));
+  at::parallel_for(0, p.rows, grain, [&](int64_t begin, int64_t end) {
+    if (wide) avx512::rms_norm_rows(p, begin, end);
+    else avx2::rms_norm_rows(p, begin, end);
+  });
+  return out;
+}
+
+// Rotary embedding as transformers applies it, elementwise: out = x * cos + swap_halves(x) *
+// signed_sin (sin with its first half negated), two products and a sum, each rounded once
+// (-ffp-contract=off), the same bits as those torch ops. x [B, S, heads, D] fp32 contiguous;
+// cos, signed_sin [B, S, D] fp32 contiguous. In place.
+void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+  check_cpu(x, "x");
+  check_cpu(cos, "cos");
+  check_cpu(signed_sin, "sin");
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat32, "x must be float32 [B, S, heads, D]");
+  const int64_t B = x.size(0), S = x.size(1), heads = x.size(2), D = x.size(3);
+  TORCH_CHECK(D % 2 == 0, "rotary needs an even head size, got ", D);
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && signed_sin.scalar_type() == torch::kFloat32 &&
+                  cos.numel() == B * S * D && signed_sin.numel() == B * S * D,
+              "cos and sin must be float32 [", B, ", ", S, ", ", D, "]");
+  float* data = x.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = signed_sin.data_ptr<float>();
+  const int64_t half = D / 2;
+  std::vector<float> swapped(D);
+  for (int64_t bs = 0; bs < B * S; ++bs) {
+    const float* cr = c + bs * D;
+    const float* sr = s + bs * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* row = data + (bs * heads + h) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        swapped[d] = row[d + half];
+        swapped[d + half] = row[d];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = row[d] * cr[d];
+        const float b = swapped[d] * sr[d];
+        row[d] = a + b;
+      }
+    }
+  }
+}
+
 }  // namespace selfspec_kernels
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -214,4 +282,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported_isas", &selfspec_kernels::supported_isas);
   m.def("linear", &selfspec_kernels::linear);
   m.def("attention", &selfspec_kernels::attention);
+  m.def("rms_norm", &selfspec_kernels::rms_norm);
+  m.def("rotary_", &selfspec_kernels::rotary_);
 }

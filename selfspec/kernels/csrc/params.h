@@ -45,6 +45,14 @@ struct AttentionParams {
   bool kv_bf16;
 };
 
+struct NormParams {
+  const float* x;       // [rows, H] fp32
+  const float* weight;  // [H] fp32
+  float* out;           // [rows, H]
+  int64_t rows, H;
+  float eps;
+};
+
 // Scratch a call needs per thread, in floats.
 inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (((p.K + 15) / 16) * 16 + 16); }
 inline int64_t attention_scratch_floats(const AttentionParams& p) { return 2 * (p.T + 16) + p.D + 16; }

@@ -65,6 +65,14 @@ SS_INLINE void vload_q4(const uint8_t* p, V& lo, V& hi) {
   hi = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask));
 }
 
+// A Q4_1 block's 32 weights (q * d) + m, two roundings; the same bits as vec_avx512.h's table.
+SS_INLINE void vdequant_q4(const uint8_t* p, float d, float m, V& lo, V& hi) {
+  V q_lo, q_hi;
+  vload_q4(p, q_lo, q_hi);
+  lo = vadd(vmul(q_lo, vset1(d)), vset1(m));
+  hi = vadd(vmul(q_hi, vset1(d)), vset1(m));
+}
+
 SS_INLINE V vload_q4_half(const uint8_t* p, int64_t half) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if (half) b = _mm_srli_epi16(b, 4);

@@ -55,12 +55,16 @@ SS_INLINE void vhsum16(const V* acc, float* out) {
   _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, s1));
 }
 
-// A Q4_1 block's 32 elements from its 16 nibble bytes: `lo` 0-15, `hi` 16-31.
-SS_INLINE void vload_q4(const uint8_t* p, V& lo, V& hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  lo = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low_mask)))};
-  hi = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask)))};
+// A Q4_1 block's 32 weights (q * d) + m (two roundings, GGUF's reference dequantization) from its
+// 16 nibble bytes: `lo` elements 0-15, `hi` 16-31. The 16 values a block can take are computed
+// once into a table and looked up by code (vpermps reads the low 4 bits of each lane), so the
+// bits are those of computing each weight, in 8 instructions instead of 14.
+SS_INLINE void vdequant_q4(const uint8_t* p, float d, float m, V& lo, V& hi) {
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d)), _mm512_set1_ps(m));
+  lo = {_mm512_permutexvar_ps(codes, table)};  // low nibble: bits 0-3 of each lane
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table)};
 }
 
 SS_INLINE V vload_bf16(const uint16_t* p) {  // 16 bf16 values, exactly widened
