@@ -26,10 +26,12 @@ GOALS = {0.0: 3.0, 1.0: 2.6}
 
 
 def tokens_of(heads: Path) -> int:
+    """Response tokens the heads were trained on: over all runs where a run continued from
+    earlier heads (``response_tokens_total``), else this run's."""
     try:
-        return int(
-            json.loads((heads / "metrics.json").read_text())["response_tokens_seen_this_run_rank0"]
-        )
+        record = json.loads((heads / "metrics.json").read_text())
+        key = "response_tokens_total"
+        return int(record[key] if key in record else record["response_tokens_seen_this_run_rank0"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
         message = f"error: {heads}/metrics.json records no response tokens: {error}"
         raise SystemExit(message) from error

@@ -91,6 +91,7 @@ class ExportHeads(L.Callback):
             "global_step": trainer.global_step,
             "response_tokens_seen_this_run_rank0": self._response_tokens,
             "tokens_seen_this_run_rank0": int(self._tokens),
+            **self._lineage(module),
         }
         was_training = module.heads.training
         module.heads.eval()
@@ -98,6 +99,16 @@ class ExportHeads(L.Callback):
         module.heads.train(was_training)
         write_json(out / "metrics.json", record)
         return out
+
+    def _lineage(self, module: HeadsModule) -> dict[str, Any]:
+        """Response tokens the heads have been trained on in all, counting the runs before this
+        one when it continued from exported heads (``init_from``) whose metrics.json says."""
+        before = response_tokens_total(Path(module.init_from)) if module.init_from else 0
+        return {
+            "init_from": module.init_from,
+            "response_tokens_before_this_run": before,
+            "response_tokens_total": before + self._response_tokens,
+        }
 
     def export(self, trainer: L.Trainer, module: HeadsModule) -> dict[str, Any]:
         metrics = {
@@ -113,6 +124,7 @@ class ExportHeads(L.Callback):
             "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
             "tokens_seen_this_run_rank0": int(self._tokens),
             "response_tokens_seen_this_run_rank0": self._response_tokens,
+            **self._lineage(module),
             "train_tokens_per_s_rank0": round(self._tokens / max(self._batch_seconds, 1e-9), 1),
             "world_size": trainer.world_size,
             "loss_weights": vars(module.loss_weights),
@@ -149,3 +161,14 @@ class ExportHeads(L.Callback):
         write_json(self.output_dir / "metrics.json", record)
         print(json.dumps({"exported": str(self.output_dir), **record.get("tau", {})}, indent=2))
         return record
+
+
+def response_tokens_total(heads_dir: Path) -> int:
+    """Response tokens exported heads were trained on, all runs (0 when their metrics.json is
+    missing or records none: heads from elsewhere)."""
+    try:
+        record = json.loads((heads_dir / "metrics.json").read_text())
+        key = "response_tokens_total"
+        return int(record[key] if key in record else record["response_tokens_seen_this_run_rank0"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0

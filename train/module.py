@@ -121,6 +121,7 @@ class HeadsModule(L.LightningModule):
         self.ttt = ttt or TTTConfig()
         self.bf16_autocast = bf16_autocast
         self.delta = delta
+        self.init_from = init_from
         if delta is not None and init_from is None:
             raise ValueError("a delta corrects trained heads: give init_from")
         if self.kind is not HeadKind.EAGLE3 and (target_layers is not None or ttt is not None):

@@ -88,6 +88,39 @@ def test_datagen_then_train_then_speculate_losslessly(
         for s in snapshots
     ]
     assert seen == sorted(seen) and seen[0] >= 40
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["response_tokens_total"] == first["response_tokens_seen_this_run_rank0"]
+
+    # A run continued from the exported heads counts the tokens they were trained on before.
+    continued = tmp_path / "heads-continued"
+    assert (
+        train_main(
+            [
+                "--config",
+                str(RECIPES / "smoke-eagle3.yaml"),
+                "--model.target.model",
+                str(chatty_target),
+                "--model.init_from",
+                str(out),
+                "--data.train_data",
+                json.dumps([str(data / "responses")]),
+                "--trainer.default_root_dir",
+                str(tmp_path / "run-continued"),
+                "--trainer.max_steps",
+                "1",
+                "--export.output_dir",
+                str(continued),
+            ]
+        )
+        == 0
+    )
+    second = json.loads((continued / "metrics.json").read_text())
+    assert second["init_from"] == str(out)
+    assert second["response_tokens_before_this_run"] == first["response_tokens_total"]
+    assert second["response_tokens_total"] == (
+        first["response_tokens_total"] + second["response_tokens_seen_this_run_rank0"]
+    )
+    assert second["response_tokens_seen_this_run_rank0"] > 0
 
     target = load_target(TargetSpec(model=str(chatty_target)))
     heads = load_heads(out, target.model)
