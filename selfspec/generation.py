@@ -22,6 +22,7 @@ from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import Drafter, DraftPlan, make_drafter
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
+from selfspec.growing_cache import is_full_attention
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
@@ -340,7 +341,7 @@ class SpeculativeGenerator:
         (no cache or namespace, or a cache of other layer kinds, e.g. sliding windows)."""
         if self.prefix_cache is None or config.prefix_namespace is None:
             return None
-        if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
+        if not all(map(is_full_attention, cache.layers)):
             return None
         reads = "last" if self.taps is None else "taps" + ",".join(map(str, self.taps.layers))
         return f"{config.prefix_namespace}\x00{reads}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from selfspec.growing_cache import is_full_attention
 
 
 def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Tensor) -> None:
@@ -17,7 +18,7 @@ def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Ten
     # Fast path: the accepted nodes are exactly the first A tree nodes (e.g. a chain).
     contiguous = bool((accepted == torch.arange(num_accepted, device=accepted.device)).all())
     for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
+        if not is_full_attention(layer):
             raise TypeError(
                 f"selfspec needs a plain DynamicCache; layer type {type(layer).__name__} "
                 "(sliding window / linear attention) is not supported yet"

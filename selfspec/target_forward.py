@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from selfspec.growing_cache import growing_cache, supports_growing
 from selfspec.lean_body import LeanBody, unsupported_reason
 
 
@@ -30,6 +31,7 @@ class TargetForward:
         fixed_order_attention: bool | None = None,
     ) -> None:
         self.model = model
+        self._growing: bool | None = None
         self.body: nn.Module = model.get_decoder()
         self.lean: LeanBody | None = (
             LeanBody(self.body, fixed_order_attention)
@@ -58,7 +60,12 @@ class TargetForward:
         return int(self.lm_head.weight.shape[0])
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """An empty KV cache; its layers append in place (``selfspec.growing_cache``) where every
+        layer is full attention."""
+        config = self.model.config
+        if self._growing is None:
+            self._growing = supports_growing(config)
+        return growing_cache(config) if self._growing else DynamicCache(config=config)
 
     def features(
         self,
