@@ -24,6 +24,7 @@ import torch
 
 from selfspec.atomic import write_text_atomic
 from selfspec.fingerprint import fingerprint_of
+from selfspec.kernels import extension
 from selfspec.kernels.modules import kernel_mode_of
 from selfspec.kernels.ops import kernel_isa
 from selfspec.packed_linear import is_packed
@@ -167,6 +168,9 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
         str(target.dtype),
         f"packed={is_packed(target.model)}",
         f"kernels={kernel_mode_of(target.model)}:{kernel_isa()}",
+        # the kernels' sources: a new build (faster or slower) is measured again
+        extension.build_key() if kernel_mode_of(target.model) else "",
+        ",".join(sorted({type(layer).__name__ for layer in target.new_cache().layers})),
         f"lean={target.lean is not None}",
         str(target.device),
         str(torch.get_num_threads()),
