@@ -140,6 +140,22 @@ class ServeArgs:
     dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
     kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    replicas: int | None = field(
+        default=None,
+        metadata={
+            "help": "serve N engine replicas on Ray Serve behind the same routes, requests for "
+            "an adapter routed to a replica holding it (needs selfspec[ray]); default: one "
+            "process, no Ray"
+        },
+    )
+    replica_cpus: float = field(
+        default=1.0,
+        metadata={"help": "with --replicas: Ray CPUs (and default torch threads) per replica"},
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={"help": "with --replicas: a running Ray cluster to join; default: start one"},
+    )
 
     def __post_init__(self) -> None:
         for module in self.lora_modules:
@@ -169,6 +185,15 @@ class ServeArgs:
             raise ValueError("--api-key must not be empty")
         if self.lora_backend not in ("fast", "peft"):
             raise ValueError(f"--lora-backend must be fast or peft, got {self.lora_backend!r}")
+        if self.replicas is not None and self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if not self.replica_cpus > 0:
+            raise ValueError(f"--replica-cpus must be > 0, got {self.replica_cpus}")
+        if self.replicas is not None and self.enable_lora_management:
+            raise ValueError(
+                "--enable-lora-management does not combine with --replicas (each replica has "
+                "its own adapter store; add adapters under --adapters-root and restart)"
+            )
 
 
 def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `selfspec --help`
@@ -254,6 +279,10 @@ def how_to_call(host: str, port: int, model: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(ServeArgs, argv, description=__doc__, prog=PROG)
+    if args.replicas is not None:
+        from selfspec.serve.ray_cli import serve_on_ray
+
+        return serve_on_ray(args)
     import uvicorn
 
     from selfspec.serve.app import create_app
