@@ -150,7 +150,6 @@ class ServerState:
                 self._generators[adapter] = own
             return own
 
-
     def _load_delta(self, adapter: str) -> None:
         """Register ``<adapter>/heads-delta/`` in the shared heads' delta bank (once). A bad
         delta: 400 naming the adapter."""
@@ -161,7 +160,9 @@ class ServerState:
             if self.delta_bank is not None and adapter in self.delta_bank:
                 return
             try:
-                delta = load_delta(directory, self.generator.heads)
+                bank = self.delta_bank  # its hash of the shared heads saves hashing them again
+                known = bank.hash if bank is not None else None
+                delta = load_delta(directory, self.generator.heads, known)
             except DeltaError as error:
                 raise bad_request(
                     f"adapter {adapter!r} carries a draft delta that cannot be used: {error}",

@@ -100,6 +100,10 @@ def test_save_load_and_refusals(model, tmp_path: Path) -> None:
         next(other.parameters()).add_(1.0)  # other shared heads (e.g. retrained)
     with pytest.raises(DeltaError, match="corrects other heads"):
         load_delta(path, other)
+    # A caller holding the heads' hash (a DeltaBank) skips hashing them; the check still holds.
+    assert load_delta(path, heads, heads_hash(heads)).state.keys() == delta.state.keys()
+    with pytest.raises(DeltaError, match="corrects other heads"):
+        load_delta(path, other, heads_hash(other))
     broken = copy.deepcopy(delta.state)
     key = next(k for k in broken if k.endswith("lora_A"))
     broken[key] = torch.zeros(3, 3)

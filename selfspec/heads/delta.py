@@ -165,10 +165,14 @@ def save_delta(delta: Delta, directory: Path, extra: dict | None = None) -> Path
     return directory
 
 
-def load_delta(directory: Path, heads: nn.Module) -> Delta:
+def load_delta(directory: Path, heads: nn.Module, known_hash: str | None = None) -> Delta:
     """A delta for ``heads`` (the shared heads, plain or banked); DeltaError naming what is
-    wrong: missing or malformed files, other heads, unknown modules, wrong shapes."""
+    wrong: missing or malformed files, other heads, unknown modules, wrong shapes.
+    ``known_hash``: ``heads_hash(heads)`` when the caller holds it (a ``DeltaBank``'s ``hash``),
+    saving a pass over the heads' weights per load (~12 ms of a ~13 ms load on the default
+    model's EAGLE heads)."""
     directory = Path(directory)
+    shared_hash = known_hash if known_hash is not None else heads_hash(heads)
     try:
         record = json.loads((directory / CONFIG_FILE).read_text())
         config = DeltaConfig(rank=int(record["rank"]), alpha=float(record["alpha"]))
@@ -176,10 +180,10 @@ def load_delta(directory: Path, heads: nn.Module) -> Delta:
         state = load_file(str(directory / WEIGHTS_FILE))
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         raise DeltaError(f"{directory}: not a readable draft delta: {error}") from error
-    if recorded != heads_hash(heads):
+    if recorded != shared_hash:
         raise DeltaError(
             f"{directory}: the delta corrects other heads (hash {recorded}, these heads "
-            f"{heads_hash(heads)}); recalibrate it for the heads in use"
+            f"{shared_hash}); recalibrate it for the heads in use"
         )
     shapes = {
         name: (layer.out_features, layer.in_features)
