@@ -29,8 +29,8 @@ from selfspec.paths import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
-HEADERS = ("params.h", "body.h", "vec_avx512.h", "vec_avx2.h")
+SOURCES = ("ops.cpp", "decoder_layer.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
+HEADERS = ("ops.h", "params.h", "body.h", "vec_avx512.h", "vec_avx2.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every rounding is the one written.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 ISA_ENV = "SELFSPEC_KERNEL_ISA"

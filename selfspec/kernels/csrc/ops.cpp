@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "params.h"
 
 namespace selfspec_kernels {
@@ -67,41 +68,29 @@ std::vector<std::string> supported_isas() {
   return out;
 }
 
-// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32. `weight` by format: fp32 / bf16 / int8 [N, K], or uint8
-// [N, K / 32, 16] for q4_1; `scale` [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1).
-torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
-                     const c10::optional<torch::Tensor>& scale,
-                     const c10::optional<torch::Tensor>& minimum,
-                     const c10::optional<torch::Tensor>& bias, int64_t group,
-                     const std::string& isa) {
-  check_cpu(x, "x");
+KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
+                           c10::optional<torch::Tensor> scale_,
+                           c10::optional<torch::Tensor> minimum_,
+                           c10::optional<torch::Tensor> bias_, int64_t group_)
+    : format(format_), group(group_), weight(std::move(weight_)), scale(std::move(scale_)),
+      minimum(std::move(minimum_)), bias(std::move(bias_)) {
   check_cpu(weight, "weight");
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., K]");
-  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K;
-  const int64_t N = weight.size(0);
-  LinearParams p{};
-  p.x = x.data_ptr<float>();
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.format = format;
-  p.group = group;
-  p.group_shift = -1;
-  if (group < K) {
-    while ((int64_t{1} << (p.group_shift + 1)) <= group) ++p.group_shift;
-  }
+  TORCH_CHECK(weight.dim() >= 2, "weight must be [N, ...], got ", weight.dim(), " dimensions");
+  N = weight.size(0);
   switch (format) {
     case kFloat32:
-      TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2 && weight.size(1) == K,
-                  "float32 weight must be [N, ", K, "] float32");
+      TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+                  "float32 weight must be [N, K] float32");
+      K = weight.size(1);
       break;
     case kBFloat16:
-      TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2 && weight.size(1) == K,
-                  "bfloat16 weight must be [N, ", K, "] bfloat16");
+      TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2,
+                  "bfloat16 weight must be [N, K] bfloat16");
+      K = weight.size(1);
       break;
     case kInt8: {
-      TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2 && weight.size(1) == K,
-                  "int8 weight must be [N, ", K, "] int8");
+      TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2, "int8 weight must be [N, K] int8");
+      K = weight.size(1);
       TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
                   "int8 group must be K or a power of two >= 16, got ", group);
       TORCH_CHECK(scale.has_value(), "int8 weight needs a scale");
@@ -109,32 +98,50 @@ torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor
       check_cpu(*scale, "scale");
       TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * groups,
                   "int8 scale must be float32 [N, ", groups, "]");
-      p.scale = scale->data_ptr<float>();
       break;
     }
     case kQ4_1: {
-      TORCH_CHECK(K % 32 == 0, "q4_1 needs K divisible by 32, got ", K);
-      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.numel() == N * (K / 32) * 16,
+      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && N > 0 && weight.numel() % (N * 16) == 0,
                   "q4_1 weight must be uint8 [N, K / 32, 16]");
+      K = weight.numel() / N * 2;
       TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1 weight needs scale and min");
       check_cpu(*scale, "scale");
       check_cpu(*minimum, "min");
       TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * (K / 32) &&
                       minimum->scalar_type() == torch::kFloat32 && minimum->numel() == N * (K / 32),
                   "q4_1 scale and min must be float32 [N, K / 32]");
-      p.scale = scale->data_ptr<float>();
-      p.minimum = minimum->data_ptr<float>();
       break;
     }
     default:
       TORCH_CHECK(false, "unknown weight format ", format);
   }
-  p.w = weight.data_ptr();
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N, "bias must be float32 [N]");
-    p.bias = bias->data_ptr<float>();
   }
+}
+
+// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32.
+torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., K]");
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K, N = w.N;
+  TORCH_CHECK(K == w.K, "x has ", K, " features, the weight takes ", w.K);
+  LinearParams p{};
+  p.x = x.data_ptr<float>();
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.format = w.format;
+  p.group = w.group;
+  p.group_shift = -1;
+  if (w.group < K) {
+    while ((int64_t{1} << (p.group_shift + 1)) <= w.group) ++p.group_shift;
+  }
+  p.w = w.weight.data_ptr();
+  if (w.scale.has_value()) p.scale = w.scale->data_ptr<float>();
+  if (w.minimum.has_value()) p.minimum = w.minimum->data_ptr<float>();
+  if (w.bias.has_value()) p.bias = w.bias->data_ptr<float>();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   auto y = torch::empty(out_shape, x.options());
@@ -152,6 +159,17 @@ torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor
     else avx2::linear_columns(p, begin * 4, n_end, scratch.data());
   });
   return y;
+}
+
+// `weight` by format: fp32 / bf16 / int8 [N, K], or uint8 [N, K / 32, 16] for q4_1; `scale`
+// [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1). The matrix is checked on every call:
+// a layer called many times holds a KernelMatrix instead (decoder_layer.cpp).
+torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
+                     const c10::optional<torch::Tensor>& scale,
+                     const c10::optional<torch::Tensor>& minimum,
+                     const c10::optional<torch::Tensor>& bias, int64_t group,
+                     const std::string& isa) {
+  return run_linear(x, KernelMatrix(format, weight, scale, minimum, bias, group), isa);
 }
 
 // q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16; mask [B, S, T] fp32 additive (<= -1e30
@@ -284,4 +302,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &selfspec_kernels::attention);
   m.def("rms_norm", &selfspec_kernels::rms_norm);
   m.def("rotary_", &selfspec_kernels::rotary_);
+  selfspec_kernels::register_decoder_layer(m);
 }

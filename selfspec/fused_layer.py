@@ -1,0 +1,198 @@
+"""A decoder layer's three parts as one C++ call each (``kernels/csrc/decoder_layer.cpp``).
+
+On the lean body's fp32 kernel path a layer is ~20 torch ops and module calls; a 1-token step of
+SmolLM2-135M (30 layers) spent ~8 ms of its ~21 ms in that Python, more than in its linear
+layers. ``FusedLayer`` runs the same computation as three calls:
+
+- attention inputs: input norm, q/k/v projections, rotary embedding;
+- attention output: attention over the cache, o_proj, residual add;
+- MLP block: post-attention norm, gate and up, silu, product, down, residual add,
+
+with the same kernels and ATen ops in the same order, so the bits are the same (tests compare
+with ``torch.equal``). A part runs fused only while its modules are as installed: every linear a
+plain ``KernelLinear``, no forward hooks on any of them (EAGLE-3's taps, the LoRA bank), no
+global module hooks, no gradient wanted. Otherwise the lean body calls the modules, part by
+part, and the result is the same either way. A weight changed in place or replaced (a merged
+adapter) rebuilds the layer's plan from the layers' current kernel weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from selfspec.kernels import extension
+from selfspec.kernels.modules import KernelLinear
+
+FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
+SILU_MODULES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu, both)
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class FusedParts:
+    """Which of a layer's parts run as one C++ call in this forward."""
+
+    attention_inputs: bool = False
+    attention_output: bool = False
+    mlp: bool = False
+
+
+NOT_FUSED = FusedParts()
+
+
+def unfusable_reason(layer: nn.Module) -> str | None:
+    """Why ``layer`` can never run fused (its kind, not its momentary hooks), or None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if type(mlp).__name__ not in FUSABLE_MLPS:
+        return f"its MLP is a {type(mlp).__name__}, not one of {FUSABLE_MLPS}"
+    if type(getattr(mlp, "act_fn", None)).__name__ not in SILU_MODULES:
+        return "its MLP's activation is not SiLU"
+    for name, linear in zip(_LINEARS, _linears(attention, mlp), strict=True):
+        if type(linear) is not KernelLinear:
+            return f"{name} is a {type(linear).__name__}, not a KernelLinear"
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if norm.weight.dtype != torch.float32:
+            return f"a norm's weight is {norm.weight.dtype}, not float32"
+    return None
+
+
+def _linears(attention: nn.Module, mlp: nn.Module) -> tuple[nn.Module, ...]:
+    return (
+        attention.q_proj,
+        attention.k_proj,
+        attention.v_proj,
+        attention.o_proj,
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+
+
+def _tensor_key(tensor: torch.Tensor | None) -> tuple[int, int] | None:
+    return None if tensor is None else (tensor.data_ptr(), tensor._version)
+
+
+class FusedLayer:
+    """One decoder layer (``unfusable_reason`` None) and its C++ plan. ``parts`` is asked first
+    in every forward: it says which parts may run and brings the plan up to date."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        reason = unfusable_reason(layer)
+        if reason is not None:
+            raise ValueError(f"this decoder layer can't run fused: {reason}")
+        self.layer = layer
+        attention, mlp = layer.self_attn, layer.mlp
+        self._linears = _linears(attention, mlp)
+        self._norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self._inputs_modules = (layer.input_layernorm, *self._linears[:3])
+        self._output_modules = self._linears[3:4]
+        self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn, *self._linears[4:])
+        self._plan = None
+        self._plan_key: tuple | None = None
+
+    def parts(self, hidden: torch.Tensor) -> FusedParts:
+        """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
+        brought up to date for them."""
+        if (
+            hidden.dtype != torch.float32
+            or hidden.device.type != "cpu"
+            or (torch.is_grad_enabled() and hidden.requires_grad)
+            or torch_module._global_forward_hooks
+            or torch_module._global_forward_pre_hooks
+            or self._modules_replaced()
+        ):
+            return NOT_FUSED
+        parts = FusedParts(
+            attention_inputs=not _hooked(*self._inputs_modules),
+            attention_output=not _hooked(*self._output_modules),
+            mlp=not _hooked(*self._mlp_modules),
+        )
+        if parts != NOT_FUSED:
+            self._refresh_plan()
+        return parts
+
+    def _modules_replaced(self) -> bool:
+        """Whether a module was swapped since (peft wraps a linear layer in its own)."""
+        attention, mlp = self.layer.self_attn, self.layer.mlp
+        current = _linears(attention, mlp)
+        return any(a is not b for a, b in zip(current, self._linears, strict=True)) or (
+            mlp is not self._mlp_modules[1]
+            or self.layer.input_layernorm is not self._norms[0]
+            or self.layer.post_attention_layernorm is not self._norms[1]
+        )
+
+    def _refresh_plan(self) -> None:
+        """Make the C++ plan again if a weight changed since (in place or replaced)."""
+        key = tuple(
+            (_tensor_key(linear.weight), _tensor_key(linear.bias)) for linear in self._linears
+        ) + tuple(_tensor_key(norm.weight) for norm in self._norms)
+        if key != self._plan_key:
+            self._plan = self._make_plan()
+            self._plan_key = key
+
+    def _make_plan(self):
+        module = extension.load()
+        matrices = []
+        for linear in self._linears:
+            weight = linear.kernel_weight()
+            bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+            matrices.append(
+                module.KernelMatrix(
+                    weight.code,
+                    weight.data,
+                    weight.scale,
+                    weight.minimum,
+                    bias,
+                    weight.group or weight.in_features,
+                )
+            )
+        attention = self.layer.self_attn
+        head_dim = attention.head_dim
+        return module.DecoderLayerPlan(
+            self._norms[0].weight.detach(),
+            self._norms[0].variance_epsilon,
+            self._norms[1].weight.detach(),
+            self._norms[1].variance_epsilon,
+            matrices,
+            self._linears[0].out_features // head_dim,
+            self._linears[1].out_features // head_dim,
+            head_dim,
+            attention.scaling,
+        )
+
+    def attention_inputs(
+        self,
+        hidden: torch.Tensor,  # [B, S, H]
+        cos: torch.Tensor,  # [B, S, D]
+        signed_sin: torch.Tensor,  # [B, S, D]
+        isa: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query [B, S, heads, D], key [B, kv_heads, S, D], value [B, kv_heads, S, D])."""
+        query, key, value = extension.load().attention_inputs(
+            self._plan, hidden, cos, signed_sin, isa
+        )
+        return query, key, value
+
+    def attention_output(
+        self,
+        hidden: torch.Tensor,  # [B, S, H]
+        query: torch.Tensor,  # [B, S, heads, D]
+        keys: torch.Tensor,  # [B, kv_heads, T, D], the cache after this step's update
+        values: torch.Tensor,  # [B, kv_heads, T, D]
+        mask: torch.Tensor | None,  # [B, S, T] additive, or None (causal)
+        isa: str,
+    ) -> torch.Tensor:
+        """hidden + o_proj(attention). # [B, S, H]"""
+        return extension.load().attention_output(self._plan, hidden, query, keys, values, mask, isa)
+
+    def mlp_block(self, hidden: torch.Tensor, isa: str) -> torch.Tensor:
+        """hidden + mlp(post_attention_layernorm(hidden)). # [B, S, H]"""
+        return extension.load().mlp_block(self._plan, hidden, isa)

@@ -1,0 +1,125 @@
+// One Llama-style decoder layer as three calls instead of ~20 torch ops and module calls from
+// Python (a 1-token step of a 30-layer model spends more time in that glue than in its linear
+// layers). Each call computes exactly what the lean body's fp32 kernel path computes op by op:
+// the same kernels (ops.cpp) and the same ATen element-wise ops (add, silu, mul), in the same
+// order, so the bits are the same; the Python side (selfspec/fused_layer.py) calls a part only
+// when none of its modules has a hook, an adapter or a changed weight.
+#include <torch/extension.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+namespace selfspec_kernels {
+
+namespace {
+
+// A decoder layer's weights, held once: the two RMS norms, seven linear layers, the head shape.
+struct DecoderLayerPlan {
+  torch::Tensor input_norm, post_norm;  // [H] fp32
+  double input_eps, post_eps;
+  KernelMatrix q, k, v, o, gate, up, down;
+  int64_t heads, kv_heads, head_dim;
+  double scaling;
+};
+
+void check_norm(const torch::Tensor& weight, const char* name) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 1 &&
+                  weight.scalar_type() == torch::kFloat32,
+              name, " must be a contiguous float32 [H] CPU tensor");
+}
+
+DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Tensor post_norm,
+                           double post_eps, std::vector<KernelMatrix> linears, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, double scaling) {
+  TORCH_CHECK(linears.size() == 7, "a decoder layer has 7 linear layers (q, k, v, o, gate, up, "
+              "down), got ", linears.size());
+  check_norm(input_norm, "input norm");
+  check_norm(post_norm, "post-attention norm");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+              "heads must be a positive multiple of kv_heads");
+  const int64_t hidden = input_norm.size(0);
+  const KernelMatrix &q = linears[0], &k = linears[1], &v = linears[2], &o = linears[3];
+  const KernelMatrix &gate = linears[4], &up = linears[5], &down = linears[6];
+  TORCH_CHECK(post_norm.size(0) == hidden, "the two norms differ in size");
+  TORCH_CHECK(q.K == hidden && k.K == hidden && v.K == hidden && gate.K == hidden && up.K == hidden,
+              "q, k, v, gate and up must take ", hidden, " features");
+  TORCH_CHECK(q.N == heads * head_dim && k.N == kv_heads * head_dim && v.N == kv_heads * head_dim,
+              "q, k, v outputs must be heads x head_dim");
+  TORCH_CHECK(o.K == heads * head_dim && o.N == hidden, "o must map heads x head_dim to ", hidden);
+  TORCH_CHECK(gate.N == up.N && down.K == up.N && down.N == hidden,
+              "gate, up and down must map ", hidden, " -> intermediate -> ", hidden);
+  return DecoderLayerPlan{std::move(input_norm), std::move(post_norm), input_eps, post_eps,
+                          q, k, v, o, gate, up, down, heads, kv_heads, head_dim, scaling};
+}
+
+// hidden [B, S, H] -> (query [B, S, heads, D], key [B, kv_heads, S, D], value [B, kv_heads, S, D]):
+// the input norm, q/k/v projections and rotary embedding (query and key rotated; key and value
+// transposed views, as the cache takes them).
+std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                                            const torch::Tensor& cos,
+                                            const torch::Tensor& signed_sin,
+                                            const std::string& isa) {
+  TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  const torch::Tensor normed = rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
+  torch::Tensor query = run_linear(normed, p.q, isa).view({B, S, p.heads, p.head_dim});
+  torch::Tensor key = run_linear(normed, p.k, isa).view({B, S, p.kv_heads, p.head_dim});
+  torch::Tensor value = run_linear(normed, p.v, isa).view({B, S, p.kv_heads, p.head_dim});
+  const torch::Tensor c = cos.contiguous(), s = signed_sin.contiguous();
+  rotary_(query, c, s);
+  rotary_(key, c, s);
+  return {query, key.transpose(1, 2), value.transpose(1, 2)};
+}
+
+// hidden + o_proj(attention(query over keys/values)) [B, S, H]. keys, values [B, kv_heads, T, D]
+// (the cache after this step's update); mask [B, S, T] additive, or none (causal).
+torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                               const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
+                               const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+  const int64_t B = query.size(0), S = query.size(1);
+  if (keys.scalar_type() != torch::kBFloat16) keys = keys.to(torch::kFloat32);
+  values = values.to(keys.scalar_type());
+  const int64_t D = keys.size(-1);
+  if (!(keys.strides() == values.strides() && keys.stride(3) == 1 && keys.stride(2) == D)) {
+    keys = keys.contiguous();  // read in place only as rows of D, D apart (a cache window is)
+    values = values.contiguous();
+  }
+  c10::optional<torch::Tensor> fixed_mask;
+  if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
+  const torch::Tensor attended =
+      attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa);
+  return hidden + run_linear(attended.view({B, S, p.heads * p.head_dim}), p.o, isa);
+}
+
+// hidden + down(silu(gate(n)) * up(n)), n = post_norm(hidden): the layer's MLP block [B, S, H].
+torch::Tensor mlp_block(const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                        const std::string& isa) {
+  const torch::Tensor normed = rms_norm(hidden.contiguous(), p.post_norm, p.post_eps, isa);
+  const torch::Tensor gated = at::silu(run_linear(normed, p.gate, isa)) * run_linear(normed, p.up, isa);
+  return hidden + run_linear(gated, p.down, isa);
+}
+
+}  // namespace
+
+void register_decoder_layer(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<KernelMatrix>(m, "KernelMatrix")
+      .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>(),
+           py::arg("format"), py::arg("weight"), py::arg("scale"), py::arg("minimum"),
+           py::arg("bias"), py::arg("group"))
+      .def_readonly("N", &KernelMatrix::N)
+      .def_readonly("K", &KernelMatrix::K);
+  py::class_<DecoderLayerPlan>(m, "DecoderLayerPlan")
+      .def(py::init(&make_plan), py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"),
+           py::arg("post_eps"), py::arg("linears"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("scaling"));
+  m.def("attention_inputs", &attention_inputs);
+  m.def("attention_output", &attention_output);
+  m.def("mlp_block", &mlp_block);
+}
+
+}  // namespace selfspec_kernels

@@ -1,0 +1,152 @@
+"""A decoder layer's parts as one C++ call each (``selfspec.fused_layer``): the same bits as the
+lean body's module-by-module kernel path, in every mode with fp32 activations, on every
+architecture the lean body runs; a part with a hook, a replaced module or a changed weight is
+run or re-planned so that nothing changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cpp_paths
+from tiny_models import make_tiny_model
+from transformers import DynamicCache
+
+from selfspec.fused_layer import FusedLayer, FusedParts, unfusable_reason
+from selfspec.kernels import extension
+from selfspec.kernels.modules import install_kernels
+from selfspec.lean_body import LeanBody, _fused_norm
+
+pytestmark = pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+
+ARCHS = ("llama", "qwen2", "mistral")  # qwen2: q/k/v with bias
+
+
+def _model(arch: str, mode: str = "float32"):
+    model = make_tiny_model(arch).eval()
+    install_kernels(model, mode)
+    return model
+
+
+def _tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
+    """Additive mask [1, 1, S, cached + S] of a tree (``parents[i]`` < i, -1 for the root)."""
+    size = len(parents)
+    allowed = torch.zeros(size, cached + size, dtype=torch.bool)
+    allowed[:, :cached] = True
+    for node, parent in enumerate(parents):
+        allowed[node, cached + node] = True
+        if parent >= 0:
+            allowed[node] |= allowed[parent]
+    return torch.where(allowed, 0.0, -torch.inf)[None, None]
+
+
+def _run(body: LeanBody, fused: bool) -> list[torch.Tensor]:
+    """Prefill 7 tokens (B = 2, causal), then a 5-node tree step over the cache with a mask.
+    Returns the hidden states of both calls and the cache's keys and values."""
+    saved = body.fused_layers
+    if not fused:
+        body.fused_layers = [None] * len(saved)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        cache = DynamicCache()
+        prompt = torch.randint(3, 101, (2, 7), generator=generator)
+        positions = torch.arange(7).expand(2, 7)
+        with torch.inference_mode():
+            first = body(prompt, positions, cache)
+            tree = torch.randint(3, 101, (2, 5), generator=generator)
+            depths = torch.tensor([0, 1, 1, 2, 2])
+            mask = _tree_mask(7, [-1, 0, 0, 1, 2]).expand(2, 1, 5, 12).contiguous()
+            second = body(tree, (7 + depths).expand(2, 5), cache, mask)
+        states = [first, second]
+        for layer in cache.layers:
+            states += [layer.keys.clone(), layer.values.clone()]
+        return states
+    finally:
+        body.fused_layers = saved
+
+
+@pytest.mark.parametrize("mode", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("isa", cpp_paths())
+def test_fused_layers_give_the_module_path_bits(
+    arch: str, mode: str, isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(extension.ISA_ENV, isa)
+    body = LeanBody(_model(arch, mode).model)
+    assert all(layer is not None for layer in body.fused_layers)
+    hidden = torch.zeros(1, 1, body.config.hidden_size)
+    assert body.fused_layers[0].parts(hidden) == FusedParts(True, True, True)
+    fused, modules = _run(body, fused=True), _run(body, fused=False)
+    for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_each_part_equals_its_modules() -> None:
+    model = _model("llama")
+    layer = model.model.layers[0]
+    fast = FusedLayer(layer)
+    hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(1))
+    body = LeanBody(model.model)
+    with torch.inference_mode():
+        assert fast.parts(hidden).mlp
+        got = fast.mlp_block(hidden, "auto")
+        # The norm is the kernels' (the lean body's fp32 path), not transformers' module:
+        expected = hidden + layer.mlp(_fused_norm(layer.post_attention_layernorm, hidden))
+        assert torch.equal(got, expected)
+        body_out = body(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), DynamicCache())
+    assert body_out.shape == (1, 3, 32)
+
+
+def test_a_hooked_part_runs_its_modules_and_nothing_changes() -> None:
+    body = LeanBody(_model("llama").model)
+    expected = _run(body, fused=True)
+    layer = body.layers[1]
+    seen: list[torch.Size] = []
+    handle = layer.mlp.up_proj.register_forward_hook(lambda _m, _a, out: seen.append(out.shape))
+    try:
+        assert body.fused_layers[1].parts(torch.zeros(1, 1, 32)) == FusedParts(True, True, False)
+        got = _run(body, fused=True)
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # the prefill and the tree step called the hooked layer's MLP
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    tap = layer.input_layernorm.register_forward_pre_hook(lambda _m, args: None)
+    try:
+        assert body.fused_layers[1].parts(torch.zeros(1, 1, 32)) == FusedParts(False, True, True)
+    finally:
+        tap.remove()
+
+
+def test_a_changed_weight_is_planned_again() -> None:
+    body = LeanBody(_model("qwen2").model)
+    _run(body, fused=True)  # plans made
+    with torch.no_grad():
+        body.layers[0].mlp.down_proj.weight.mul_(2.0)
+        body.layers[1].self_attn.q_proj.bias.add_(0.5)
+    fused, modules = _run(body, fused=True), _run(body, fused=False)
+    for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_replaced_module_is_not_fused() -> None:
+    body = LeanBody(_model("llama").model)
+    layer = body.layers[0]
+    original = layer.self_attn.v_proj
+    layer.self_attn.v_proj = torch.nn.Linear(32, 16, bias=False)  # as peft's wrapper would
+    try:
+        assert body.fused_layers[0].parts(torch.zeros(1, 1, 32)) == FusedParts()
+    finally:
+        layer.self_attn.v_proj = original
+    assert body.fused_layers[0].parts(torch.zeros(1, 1, 32)) == FusedParts(True, True, True)
+
+
+def test_what_cannot_be_fused_says_why() -> None:
+    plain = make_tiny_model("llama").eval()  # transformers' own linear layers
+    assert "not a KernelLinear" in unfusable_reason(plain.model.layers[0])
+    assert all(layer is None for layer in LeanBody(plain.model).fused_layers)
+    with pytest.raises(ValueError, match="can't run fused"):
+        FusedLayer(plain.model.layers[0])
+    module = extension.load()
+    norm = torch.ones(32)
+    with pytest.raises(RuntimeError, match="7 linear layers"):
+        module.DecoderLayerPlan(norm, 1e-5, norm, 1e-5, [], 4, 2, 8, 0.35)
