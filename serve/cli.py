@@ -205,7 +205,6 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
     from selfspec.serve.app import ServerState
     from selfspec.serve.drift import DriftConfig
-    from selfspec.serve.guard import AccessPolicy
     from selfspec.shipped import resolve_heads_dir
     from selfspec.target import TargetSpec, load_target
 
@@ -248,14 +247,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,
-        access=AccessPolicy.for_bind_address(
-            args.host,
-            _is_loopback(args.host),
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            public_metrics=args.public_metrics,
-            allowed_hosts=args.allowed_hosts,
-            max_body_bytes=args.max_body_bytes,
-        ),
+        access=access_policy(args),
         request_timeout=args.request_timeout,
         drift=DriftConfig(threshold=args.drift_threshold),
         prefix_cache=(
@@ -263,6 +255,20 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
             if args.prefix_cache_mb
             else None
         ),
+    )
+
+
+def access_policy(args: ServeArgs):  # -> AccessPolicy
+    """Who may call the server and how large a request may be, from the arguments."""
+    from selfspec.serve.guard import AccessPolicy
+
+    return AccessPolicy.for_bind_address(
+        args.host,
+        _is_loopback(args.host),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        public_metrics=args.public_metrics,
+        allowed_hosts=args.allowed_hosts,
+        max_body_bytes=args.max_body_bytes,
     )
 
 

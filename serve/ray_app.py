@@ -47,9 +47,9 @@ from ray.serve.handle import DeploymentHandle
 
 from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore, StoreConfig
-from selfspec.serve.cli import API_KEY_ENV, ServeArgs
+from selfspec.serve.cli import ServeArgs, access_policy
 from selfspec.serve.errors import APIError
-from selfspec.serve.guard import AccessPolicy, Guard
+from selfspec.serve.guard import Guard
 from selfspec.serve.ray_forward import (
     NOT_RELAYED,
     REPLICA_HEADER,
@@ -284,7 +284,7 @@ class Ingress:
         self.engine = engine
         self.board = board
         self.config = config
-        self.policy = _access_policy(args)
+        self.policy = access_policy(args)
         self._served: ServedModels | None = None
         self.registry = CollectorRegistry()
         self.failures = Counter(
@@ -381,22 +381,6 @@ def _ingress_app(ingress: Ingress) -> FastAPI:
         return await ingress.forward_request(request)
 
     return app
-
-
-def _access_policy(args: ServeArgs) -> AccessPolicy:
-    """The policy ``build_state`` gives each replica: the ingress checks it first."""
-    import os
-
-    from selfspec.serve.cli import _is_loopback
-
-    return AccessPolicy.for_bind_address(
-        args.host,
-        _is_loopback(args.host),
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        public_metrics=args.public_metrics,
-        allowed_hosts=args.allowed_hosts,
-        max_body_bytes=args.max_body_bytes,
-    )
 
 
 def build_app(args: ServeArgs, config: RayServeConfig):  # -> ray.serve.Application
