@@ -303,7 +303,7 @@ class AdapterStore:
         # Outside inference mode even when loaded on demand inside a generation step: inference
         # tensors would break peft's later requires_grad bookkeeping.
         with torch.inference_mode(False):
-            state = _read_weights(fresh, self.base_model.get_input_embeddings().weight.dtype)
+            state = _read_weights(fresh, self.base_model.get_input_embeddings().weight)
         with self._lock:
             if name in self._resident:  # another thread loaded it meanwhile
                 self._resident.move_to_end(name)
@@ -572,8 +572,9 @@ class AdapterStore:
         self._peft_active = name
 
 
-def _read_weights(info: AdapterInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The adapter's tensors in the base dtype; non-finite values are refused."""
+def _read_weights(info: AdapterInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in the dtype and on the device of ``like`` (the base model's
+    embedding weight); non-finite values are refused."""
     try:
         state = load_file(str(info.weights_path))
     except OSError as error:
@@ -589,7 +590,7 @@ def _read_weights(info: AdapterInfo, dtype: torch.dtype) -> dict[str, torch.Tens
     for key, tensor in state.items():
         if not torch.isfinite(tensor).all():
             raise CorruptAdapter(f"adapter {info.name!r}: tensor {key!r} holds NaN or inf values")
-    return {key: tensor.to(dtype) for key, tensor in state.items()}
+    return {key: tensor.to(like.device, like.dtype) for key, tensor in state.items()}
 
 
 def _check_injected(peft_model: Any, peft_name: str, num_modules: int) -> None:

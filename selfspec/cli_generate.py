@@ -8,20 +8,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
-from selfspec.modes import DTYPE_HELP, KERNELS_HELP, check_dtype
 from selfspec.sampling import SamplingParams
+from selfspec.target_options import TargetOptions
 from selfspec.tree import DraftSampling, parse_tree_spec
 
 PROG = "selfspec generate"
 
 
 @dataclass(frozen=True)
-class GenerateArgs:
+class GenerateArgs(TargetOptions):
+    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), then
+    these."""
+
     prompt: str = field(metadata={"help": "the user prompt"})
-    model: str | None = field(
-        default=None,
-        metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"},
-    )
     heads: str = field(
         default="eagle",
         metadata={
@@ -48,9 +47,6 @@ class GenerateArgs:
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
-    kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
     )
@@ -73,10 +69,10 @@ class GenerateArgs:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         parse_tree_spec(self.tree)
-        check_dtype(self.dtype)
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -97,15 +93,11 @@ def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
-    from selfspec.target import TargetSpec, apply_chat_template, load_target
+    from selfspec.target import apply_chat_template, load_target
 
     try:
-        target = load_target(
-            TargetSpec(
-                model=args.model, dtype=args.dtype, kernels=args.kernels, threads=args.threads
-            )
-        )
-        heads = resolve_heads(args, target.model, args.model in (None, "default"))
+        target = load_target(args.target_spec())
+        heads = resolve_heads(args, target.model, args.is_default_target)
         tokenizer = target.tokenizer
         prompt_ids = (
             apply_chat_template(tokenizer, args.prompt)
@@ -130,7 +122,7 @@ def main(argv: Sequence[str]) -> int:
             from selfspec.adapters.select import select_adapter
 
             store, name, scope = select_adapter(
-                target.model, args.adapter, args.adapters_root, args.model in (None, "default")
+                target.model, args.adapter, args.adapters_root, args.is_default_target
             )
             own_heads = store.info(name).heads_path
             if heads is not None and args.adapter_heads and own_heads is not None:

@@ -173,6 +173,7 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
         ",".join(sorted({type(layer).__name__ for layer in target.new_cache().layers})),
         f"lean={target.lean is not None}",
         str(target.device),
+        *_gpu_model(target.device),
         str(torch.get_num_threads()),
         torch.__version__,
         platform.machine(),
@@ -180,6 +181,12 @@ def _machine_key(target: TargetForward, sizes: Sequence[int]) -> str:
         ",".join(map(str, sizes)),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _gpu_model(device: torch.device) -> list[str]:
+    """The GPU's name on cuda (another card is measured again); nothing on a CPU, so CPU keys
+    stay as they were."""
+    return [torch.cuda.get_device_name(device)] if device.type == "cuda" else []
 
 
 def cpu_model() -> str:

@@ -19,3 +19,37 @@ KERNELS_HELP = (
 def check_dtype(dtype: str, flag: str = "--dtype") -> None:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"{flag} must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+
+
+DEVICE_NAMES = ("auto", "cpu", "cuda")
+DEVICE_HELP = (
+    "where the target runs: cpu (the default) | cuda | cuda:N | auto (cuda when torch sees a GPU "
+    "and the mode runs there, else cpu). On cuda: float32 or bfloat16 with transformers' ops "
+    "(the row-invariant kernels, and so int8 / int4, are CPU-only); speculative output there "
+    "equals vanilla up to float noise, not bit for bit"
+)
+
+
+def check_device(device: str, flag: str = "--device") -> None:
+    """`device` is "auto", "cpu", "cuda" or "cuda:N" (N >= 0); whether it exists is checked at
+    load (`selfspec.target.TargetSpec.resolve_device`)."""
+    if isinstance(device, str):
+        kind, sep, index = device.partition(":")
+        if (not sep and kind in DEVICE_NAMES) or (
+            kind == "cuda" and index.isascii() and index.isdigit()
+        ):
+            return
+    raise ValueError(f"{flag} must be auto, cpu, cuda or cuda:N (N a GPU index), got {device!r}")
+
+
+def cpu_only_reason(
+    dtype: str, kernels: bool | None, packed_weights: bool | None = None
+) -> str | None:
+    """What of a target's options runs on the CPU only (named for an error), or None."""
+    if dtype in ("int8", "int4"):
+        return f"dtype {dtype!r} (it computes through the C++ CPU kernels)"
+    if kernels is True:
+        return "kernels=True (the row-invariant kernels are CPU code)"
+    if packed_weights is True:
+        return "packed_weights=True (oneDNN's CPU weight packing)"
+    return None

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from selfspec.modes import check_dtype
+from selfspec.modes import check_device, check_dtype, cpu_only_reason
 from selfspec.packed_linear import pack_linears, packing_available
 from selfspec.paths import cache_root
 
@@ -70,13 +70,14 @@ class TargetSpec:
     """Weights and activations: "float32"; "bfloat16"; "int8" (weight-only, per output channel,
     fp32 activations); "int4" (weight-only 4-bit Q4_1 blocks of 32, the output layer in 8 bits;
     from a GGUF file its own blocks, so the default model's int4 mode computes with exactly the
-    weights its file ships). The quantized modes need the kernels."""
+    weights its file ships). The quantized modes need the kernels, and so the CPU."""
     kernels: bool | None = None
     """Run every linear layer and the attention through the row-invariant kernels
     (`selfspec.kernels`), so a token's result never depends on how many tokens share a forward
     and speculation is exact in every dtype. None: on, with the C++ kernels where they build,
-    else the pure-torch fallback (one warning); True: the C++ kernels or a `TargetLoadError`;
-    False: transformers' own ops (float32 and bfloat16 only)."""
+    else the pure-torch fallback (one warning), and off on a GPU (the kernels are CPU code);
+    True: the C++ kernels or a `TargetLoadError` (CPU only); False: transformers' own ops
+    (float32 and bfloat16 only)."""
     threads: int | None = None
     """CPU threads for torch (`torch.set_num_threads`); None leaves torch's own setting."""
     attn_implementation: str = "sdpa"
@@ -87,6 +88,13 @@ class TargetSpec:
     dequantized, so the results are the dense fp32 results bit for bit (checked tensor by
     tensor at load; a tensor that does not reproduce stays dense), from a fraction of the bytes
     per forward. False: the dense fp32 weights."""
+    device: str = "cpu"
+    """Where the model runs: "cpu"; "cuda" or "cuda:N"; "auto": cuda when torch sees a GPU and
+    the mode runs there, else cpu. The CPU is the default because the row-invariant kernels run
+    there only: on cuda the target runs transformers' own ops in float32 or bfloat16, so
+    kernels=True, int8, int4 and packed weights are refused, and greedy speculation equals
+    vanilla up to float noise (a GPU matmul over a tree of rows may round a row differently than
+    over one) instead of bit for bit."""
     packed_weights: bool | None = None
     """Pack the linear weights once for oneDNN (`selfspec.packed_linear`). None: packed in
     bfloat16 where oneDNN runs it (faster, results identical to unpacked), never in float32
@@ -123,6 +131,13 @@ class TargetSpec:
                 "TargetSpec.packed_weights must be None, True or False, "
                 f"got {self.packed_weights!r}"
             )
+        check_device(self.device, "TargetSpec.device")
+        cpu_only = self.cpu_only_reason()
+        if cpu_only is not None and self.device.startswith("cuda"):
+            raise ValueError(
+                f"TargetSpec.device={self.device!r} does not run {cpu_only}; on a GPU use "
+                "dtype float32 or bfloat16 with kernels None or False, or device 'cpu'"
+            )
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"TargetSpec.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
@@ -134,9 +149,45 @@ class TargetSpec:
         """`dtype` as a torch dtype."""
         return DTYPES[self.dtype]
 
-    def wants_packing(self) -> bool:
-        """Whether `load_target` packs the linear weights; raises if asked for but impossible."""
-        if self.kernels is not False:
+    def cpu_only_reason(self) -> str | None:
+        """What in this spec runs on the CPU only (named for an error), or None."""
+        return cpu_only_reason(self.dtype, self.kernels, self.packed_weights)
+
+    def resolve_device(self) -> torch.device:
+        """The device `load_target` puts the model on; a `TargetLoadError` when the GPU asked
+        for is not there. "auto" is cuda when torch sees a GPU and nothing in the spec needs
+        the CPU (`cpu_only_reason`), else cpu."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        if self.device == "auto":
+            if not torch.cuda.is_available():
+                return torch.device("cpu")
+            cpu_only = self.cpu_only_reason()
+            if cpu_only is not None:
+                logger.warning("device auto: a GPU is present, but %s runs on the CPU", cpu_only)
+                return torch.device("cpu")
+            return torch.device("cuda", torch.cuda.current_device())
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise TargetLoadError(
+                f"device {self.device!r} was asked for, but torch {torch.__version__} "
+                f"({build}) sees no GPU; run on a machine with a GPU and a CUDA build of torch, "
+                "or use device 'cpu' (or 'auto')"
+            )
+        device = torch.device(self.device)
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise TargetLoadError(
+                f"device {self.device!r}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}"
+            )
+        if device.index is None:  # "cuda": torch's current GPU, named so the cost curve can key it
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def wants_packing(self, device: torch.device | None = None) -> bool:
+        """Whether `load_target` packs the linear weights for ``device`` (None: the CPU); raises
+        if asked for but impossible."""
+        if self.kernels is not False or (device is not None and device.type != "cpu"):
             return False
         if self.packed_weights is None:
             return self.torch_dtype == torch.bfloat16 and packing_available(self.torch_dtype)
@@ -161,11 +212,18 @@ class LoadedTarget:
     source: str
     """Resolved path of what was named: the model directory or the .gguf file."""
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (`TargetSpec.device`, resolved)."""
+        return self.model.get_input_embeddings().weight.device
+
 
 def load_target(spec: TargetSpec) -> LoadedTarget:
     """Load the target `spec` names; raise `TargetLoadError` saying what is wrong if it can't."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    device = spec.resolve_device()
+    on_cpu = device.type == "cpu"
     if spec.model in (None, "default"):
         source, name = default_gguf_path(), DEFAULT_NAME
     else:
@@ -185,14 +243,16 @@ def load_target(spec: TargetSpec) -> LoadedTarget:
         model_dir = converted_gguf_dir(source)
     else:
         raise TargetLoadError(f"target {source} is neither a model directory nor a .gguf file")
-    packed = spec.wants_packing()
-    if spec.kernels:
+    packed = spec.wants_packing(device)
+    if spec.kernels:  # never with a GPU: TargetSpec refuses it, "auto" resolves to the CPU
         require_kernels()
     model, tokenizer = _load_hf_dir(model_dir, spec)
     if packed:
         pack_linears(model)
-    if spec.kernels is not False:
+    if spec.kernels is not False and on_cpu:
         _install_kernels(model, spec, source)
+    if not on_cpu:
+        model.to(device)  # read on the CPU first: the GGUF conversion and checks run there
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, source=str(source))
 
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
-from selfspec.modes import DTYPE_HELP, KERNELS_HELP, check_dtype
 from selfspec.serve.guard import DEFAULT_MAX_BODY_BYTES
+from selfspec.target_options import TargetOptions
 from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec serve"
@@ -22,11 +22,10 @@ API_KEY_ENV = "SELFSPEC_API_KEY"
 
 
 @dataclass(frozen=True)
-class ServeArgs:
-    model: str | None = field(
-        default=None,
-        metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"},
-    )
+class ServeArgs(TargetOptions):
+    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), then
+    these."""
+
     heads: str = field(
         default="eagle",
         metadata={
@@ -137,9 +136,6 @@ class ServeArgs:
         default=None,
         metadata={"help": "seconds a request may run before it is cancelled (504); default none"},
     )
-    dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
-    kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     replicas: int | None = field(
         default=None,
         metadata={
@@ -158,6 +154,7 @@ class ServeArgs:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for module in self.lora_modules:
             name, sep, path = module.partition("=")
             if not sep or not name or not path:
@@ -172,7 +169,6 @@ class ServeArgs:
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         parse_tree_spec(self.tree)
-        check_dtype(self.dtype)
         if not 0 <= self.drift_threshold <= 1:
             raise ValueError(f"--drift-threshold must be in [0, 1], got {self.drift_threshold}")
         if self.prefix_cache_mb < 0:
@@ -187,6 +183,12 @@ class ServeArgs:
             raise ValueError(f"--lora-backend must be fast or peft, got {self.lora_backend!r}")
         if self.replicas is not None and self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.replicas is not None and self.device.startswith("cuda"):
+            # Ray gives a replica a GPU only when its actor options ask for one; not wired yet.
+            raise ValueError(
+                f"--replicas runs its engine replicas on the CPU; --device {self.device} is not "
+                "supported with it yet (serve one process on the GPU instead)"
+            )
         if not self.replica_cpus > 0:
             raise ValueError(f"--replica-cpus must be > 0, got {self.replica_cpus}")
         if self.replicas is not None and self.enable_lora_management:
@@ -206,12 +208,10 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.serve.app import ServerState
     from selfspec.serve.drift import DriftConfig
     from selfspec.shipped import resolve_heads_dir
-    from selfspec.target import TargetSpec, load_target
+    from selfspec.target import load_target
 
-    target = load_target(
-        TargetSpec(model=args.model, dtype=args.dtype, kernels=args.kernels, threads=args.threads)
-    )
-    is_default = args.model in (None, "default")
+    target = load_target(args.target_spec())
+    is_default = args.is_default_target
     heads = None
     if args.heads != "none":
         heads = load_heads(resolve_heads_dir(args.heads, is_default), target.model)

@@ -102,7 +102,9 @@ class EagleDrafter:
         # [1, 1, F, committed + drafted + F] bool"""
         slot_of = {node: slot for slot, node in enumerate(slot_nodes)}
         width = committed + len(slot_nodes) + len(frontier)
-        attend = torch.zeros(len(frontier), width, dtype=torch.bool)
+        # Filled element by element on the host, then copied to the device once (on a GPU, one
+        # small copy instead of a kernel launch per element).
+        attend = torch.zeros(len(frontier), width, dtype=torch.bool, device="cpu")
         attend[:, :committed] = True
         for row, node in enumerate(frontier):
             attend[row, committed + len(slot_nodes) + row] = True

@@ -95,8 +95,9 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.scale = config.scale
-        self.lora_A = nn.Parameter(torch.empty(config.rank, base.in_features))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, config.rank))
+        device = base.weight.device  # trained beside the heads, wherever they are
+        self.lora_A = nn.Parameter(torch.empty(config.rank, base.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, config.rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         base.requires_grad_(False)
 

@@ -73,7 +73,10 @@ def with_draft_vocab(heads: nn.Module, token_ids: torch.Tensor | None) -> nn.Mod
         weights = {k: v for k, v in heads.state_dict().items() if k != BUFFER}
         rebuilt.load_state_dict({**rebuilt.state_dict(), **weights})
         rebuilt.train(heads.training)
-        heads = rebuilt
+        # Built in float32 on the CPU; the weights go where the given heads were, as they were
+        # (bfloat16 on a GPU, say).
+        first = next(heads.parameters())
+        heads = rebuilt.to(device=first.device, dtype=first.dtype)
     if token_ids is not None:
         set_draft_vocab(heads, token_ids)
     return heads

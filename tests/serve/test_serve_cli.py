@@ -85,6 +85,17 @@ def test_bad_arguments_are_refused_with_the_flag_named() -> None:
         ServeArgs(lora_modules=("no-equals-sign",))
     with pytest.raises(ValueError, match="--port"):
         ServeArgs(port=70000)
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N"):
+        ServeArgs(device="gpu")
+    with pytest.raises(ValueError, match="--device cuda does not run dtype 'int4'"):
+        ServeArgs(device="cuda", dtype="int4")
+    with pytest.raises(ValueError, match="--replicas runs its engine replicas on the CPU"):
+        ServeArgs(device="cuda", replicas=2)
+
+
+def test_the_device_reaches_the_target() -> None:
+    spec = ServeArgs(device="cuda:0", dtype="bfloat16", kernels=False).target_spec()
+    assert (spec.device, spec.dtype, spec.kernels) == ("cuda:0", "bfloat16", False)
 
 
 def test_how_to_call_points_at_loopback_for_a_wildcard_host() -> None:
