@@ -347,12 +347,18 @@ class SpeculativeGenerator:
         return f"{config.prefix_namespace}\x00{reads}"
 
     def draft(
-        self, state: RequestState, config: GenerationConfig, batch_size: int = 1
+        self,
+        state: RequestState,
+        config: GenerationConfig,
+        batch_size: int = 1,
+        speculate: bool = True,
     ) -> DraftedStep:
         """The tree this step verifies (the root alone without speculation), with its buffers.
         batch_size: requests whose trees the verification forward will hold (adaptive sizing
-        prices this tree by its share of that forward)."""
-        if config.speculate:
+        prices this tree by its share of that forward). speculate False: the root alone for
+        this step even in a speculating request (the draft state still advances in
+        ``conclude``, as after a step whose drafts were all rejected)."""
+        if config.speculate and speculate:
             sizer = (
                 TreeSizer(
                     self.cost_curve,
@@ -505,6 +511,13 @@ class GenerationStream:
         return self._owner
 
     @property
+    def trees_may_vary(self) -> bool:
+        """Whether skipping or resizing this request's drafts leaves its output what it would
+        be: greedy (lossless: the same tokens) or unseeded sampling (a draw from the same
+        distribution). A seeded sampled request repeats exactly only with the same trees."""
+        return self._config.sampling.greedy or self._config.seed is None
+
+    @property
     def state(self) -> RequestState | None:
         """None until ``start()``."""
         return self._state
@@ -557,12 +570,13 @@ class GenerationStream:
             committed = self._owner.verify(state, self._config, drafted)
         return self._after_step(state, committed)
 
-    def draft(self, batch_size: int = 1) -> DraftedStep:
+    def draft(self, batch_size: int = 1, speculate: bool = True) -> DraftedStep:
         """The next step's tree; its forward is the caller's, then ``conclude``. batch_size: the
-        requests that forward will verify together (this one included)."""
+        requests that forward will verify together (this one included); speculate False: no
+        drafts this step (the server's goodput gate), the output unchanged."""
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
-            return self._owner.draft(state, self._config, batch_size)
+            return self._owner.draft(state, self._config, batch_size, speculate)
 
     def conclude(
         self, drafted: DraftedStep, features: torch.Tensor, logits: torch.Tensor | None = None

@@ -42,6 +42,7 @@ from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.fair_queue import FairQueue
 from selfspec.serve.metrics import ServerMetrics
+from selfspec.serve.speculation_gate import SpeculationGate
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,10 @@ class Engine:
         max_queue: int = 64,
         batch_verify: bool = True,
         max_queue_per_adapter: int | None = None,
+        speculation_gate: SpeculationGate | None = None,
     ) -> None:
+        """``speculation_gate``: decides per round whether the batch speculates (default: a
+        `SpeculationGate`, so speculation never runs slower than plain decoding)."""
         if max_running < 1 or max_queue < 0:
             raise ValueError(
                 f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
@@ -155,6 +159,9 @@ class Engine:
         self.max_running = max_running
         self.max_queue = max_queue
         self.batch_verify = batch_verify
+        self.speculation_gate = speculation_gate or SpeculationGate()
+        self._committed_tokens = 0
+        """Tokens delivered so far (the gate times rounds by them)."""
         self.peak_running = 0
         """Most requests ever interleaved at once."""
         self._waiting: FairQueue[Job] = FairQueue()  # round-robin across adapters
@@ -361,14 +368,30 @@ class Engine:
         return list(batches.values())
 
     def _step_together(self, jobs: list[Job]) -> list[Job]:
-        """Draft each job's tree, verify them all in one target forward under a mixed-adapter
-        scope, conclude each. Returns the jobs that left. Should the shared forward fail, each
-        drafted tree is verified alone, so one bad request cannot fail the others."""
+        """One round of ``jobs``, speculating or not as the gate says (timed for it); a seeded
+        sampled request speculates always, so that its seed repeats its output."""
+        gate = self.speculation_gate
+        gated = any(job.speculate and job.stream.trees_may_vary for job in jobs)
+        speculate = gate.choose(len(jobs)) if gated else True
+        started, committed = time.perf_counter(), self._committed_tokens
+        left = self._draft_and_verify(jobs, speculate)
+        if gated:
+            seconds = time.perf_counter() - started
+            gate.observe(len(jobs), speculate, self._committed_tokens - committed, seconds)
+        return left
+
+    def _draft_and_verify(self, jobs: list[Job], speculate: bool) -> list[Job]:
+        """Draft each job's tree (its root alone unless ``speculate``), verify them all in one
+        target forward under a mixed-adapter scope, conclude each. Returns the jobs that left.
+        Should the shared forward fail, each drafted tree is verified alone, so one bad request
+        cannot fail the others."""
         left, drafted = [], []
         for job in jobs:
             try:
                 # Trees are sized for the forward they will share (adaptive trees only).
-                drafted.append((job, job.stream.draft(batch_size=len(jobs))))
+                own = speculate or not job.stream.trees_may_vary  # seeded sampling: always
+                step = job.stream.draft(batch_size=len(jobs), speculate=own)
+                drafted.append((job, step))
             except Exception as error:
                 self._fail(job, error)
                 left.append(job)
@@ -420,6 +443,7 @@ class Engine:
                 job.first_token = time.perf_counter()
                 self.metrics.ttft.labels(job.label).observe(job.first_token - job.admitted)
             self.metrics.generation_tokens.labels(job.label).inc(len(output.token_ids))
+            self._committed_tokens += len(output.token_ids)
             job.handle.emit(Event("delta", output=output, index=job.index))
         if not job.stream.done:
             return True

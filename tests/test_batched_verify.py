@@ -134,3 +134,27 @@ def test_an_unconcluded_step_is_refused() -> None:
         verify_features(generator.target, [(stream.state, step)])
         with pytest.raises(ValueError, match="not concluded"):
             verify_features(generator.target, [(stream.state, step)])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_steps_without_drafts_leave_greedy_output_unchanged(kind: str) -> None:
+    """The server's speculation gate skips drafting in some rounds: a speculating request's
+    step then verifies its root alone, and the draft state still follows the output."""
+    generator = _generator("llama", kind)
+    config = _configs()[0]
+    alone = generator.generate(PROMPTS[0], config).token_ids
+    stream = generator.stream(PROMPTS[0], config)
+    assert stream.trees_may_vary
+    stream.start()
+    sizes, step = [], 0
+    while not stream.done:
+        drafted = stream.draft(speculate=step % 3 != 1)  # every third step without drafts
+        sizes.append(drafted.tree.size)
+        with torch.inference_mode():
+            features = verify_features(stream.owner.target, [(stream.state, drafted)])
+        stream.conclude(drafted, features[0])
+        step += 1
+    assert stream.result.token_ids == alone
+    assert sizes[1] == 1 and max(sizes) > 1
+    seeded = GenerationConfig(sampling=SamplingParams(temperature=1.0), seed=3)
+    assert not generator.stream(PROMPTS[0], seeded).trees_may_vary

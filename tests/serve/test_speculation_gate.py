@@ -1,0 +1,43 @@
+"""The engine's speculation gate: each choice tried first, then the faster one, the other
+explored on a fixed schedule, per batch size."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfspec.serve.speculation_gate import SpeculationGate, SpeculationGateConfig
+
+
+def _run(gate: SpeculationGate, batch: int, rounds: int, rate: dict[bool, float]) -> list[bool]:
+    choices = []
+    for _ in range(rounds):
+        speculate = gate.choose(batch)
+        choices.append(speculate)
+        gate.observe(batch, speculate, tokens=int(rate[speculate]), seconds=1.0)
+    return choices
+
+
+def test_the_faster_choice_wins_and_the_slower_is_explored() -> None:
+    gate = SpeculationGate(SpeculationGateConfig(explore_every=10, warmup=3))
+    choices = _run(gate, 4, 40, {True: 49.0, False: 84.0})
+    assert choices[:6] == [True] * 3 + [False] * 3  # each tried warmup times
+    later = choices[6:]
+    assert [i + 7 for i, c in enumerate(later) if c] == [10, 20, 30, 40]  # only exploring
+    assert gate.rates(4) == {True: 49.0, False: 84.0}
+    # Another batch size learns on its own: there speculation is faster.
+    assert _run(gate, 1, 20, {True: 40.0, False: 30.0})[6:].count(False) == 2  # rounds 10, 20
+
+
+def test_a_change_in_speed_turns_the_choice() -> None:
+    gate = SpeculationGate(SpeculationGateConfig(explore_every=4, warmup=1, smoothing=1.0))
+    first = _run(gate, 2, 8, {True: 10.0, False: 20.0})
+    assert first[2:] == [False, True, False, False, False, True]  # rounds 4 and 8 explore
+    choices = _run(gate, 2, 8, {True: 30.0, False: 20.0})  # speculation got faster
+    assert choices[-3:].count(True) >= 2
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="explore_every"):
+        SpeculationGateConfig(explore_every=1)
+    with pytest.raises(ValueError, match="smoothing"):
+        SpeculationGateConfig(smoothing=0.0)
