@@ -12,11 +12,11 @@ import functools
 
 import pytest
 import torch
+from batched_streams import run_batched
 from tiny_models import ARCHS, make_tiny_model
-from transformers import PreTrainedModel
 
 from selfspec.batched_verify import verify_features
-from selfspec.generation import GenerationConfig, GenerationStream, SpeculativeGenerator
+from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DynamicTree, StaticTree
@@ -50,20 +50,6 @@ def _configs() -> list[GenerationConfig]:
     ]
 
 
-def _run_batched(streams: list[GenerationStream], model: PreTrainedModel) -> None:
-    for stream in streams:
-        stream.start()
-    target = streams[0].owner.target
-    while active := [s for s in streams if not s.done]:
-        drafted = [s.draft() for s in active]
-        with torch.inference_mode():
-            features = verify_features(
-                target, [(s.state, d) for s, d in zip(active, drafted, strict=True)]
-            )
-        for stream, step, own in zip(active, drafted, features, strict=True):
-            stream.conclude(step, own)
-
-
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_greedy_equals_each_request_alone(arch: str, kind: str) -> None:
@@ -71,7 +57,7 @@ def test_batched_greedy_equals_each_request_alone(arch: str, kind: str) -> None:
     configs = _configs()
     alone = [generator.generate(p, c).token_ids for p, c in zip(PROMPTS, configs, strict=True)]
     streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
-    _run_batched(streams, generator.target.model)
+    run_batched(streams)
     together = [s.result.token_ids for s in streams]
     assert together == alone
     assert [len(t) for t in together] == [20, 13, 17]  # ragged: the batch shrank as rows finished
@@ -88,7 +74,7 @@ def test_batched_sampling_equals_each_request_alone() -> None:
     ]
     alone = [generator.generate(p, c).token_ids for p, c in zip(PROMPTS, configs, strict=True)]
     streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
-    _run_batched(streams, generator.target.model)
+    run_batched(streams)
     assert [s.result.token_ids for s in streams] == alone
 
 

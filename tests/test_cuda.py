@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from batched_streams import run_batched
 from tiny_models import ARCHS, make_tiny_model, save_tiny_target
 
-from selfspec.batched_verify import verify_features
 from selfspec.cost_curve import measure_cost_curve
 from selfspec.fingerprint import fingerprint_of
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
@@ -163,16 +163,7 @@ def test_batched_verification_on_the_gpu_equals_each_request_alone() -> None:
     prompts = [PROMPT, PROMPT[:3], [1, 90, 4], PROMPT]
     alone = [generator.generate(p, c).token_ids for p, c in zip(prompts, configs, strict=True)]
     streams = [generator.stream(p, c) for p, c in zip(prompts, configs, strict=True)]
-    for stream in streams:
-        stream.start()
-    while active := [s for s in streams if not s.done]:
-        drafted = [s.draft(len(active)) for s in active]
-        with torch.inference_mode():
-            features = verify_features(
-                generator.target, [(s.state, d) for s, d in zip(active, drafted, strict=True)]
-            )
-        for stream, step, rows in zip(active, drafted, features, strict=True):
-            stream.conclude(step, rows)
+    run_batched(streams)
     # Greedy rows: lossless; the sampled row: its own generator, the same draws as alone.
     assert [s.result.token_ids for s in streams] == alone
 

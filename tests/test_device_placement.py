@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from batched_streams import run_batched
 from tiny_models import make_tiny_model
 from torch.overrides import TorchFunctionMode
 
 import selfspec
-from selfspec.batched_verify import verify_features
 from selfspec.cost_curve import CostCurve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
@@ -126,16 +126,7 @@ def _run_everything() -> FactoryWatch:
             eagle.stream(PROMPT, _config(tree=dynamic)),
             eagle.stream(PROMPT[:3], _config(speculate=False)),
         ]
-        for stream in streams:
-            stream.start()
-        while active := [s for s in streams if not s.done]:
-            drafted = [s.draft(len(active)) for s in active]
-            with torch.inference_mode():
-                features = verify_features(
-                    eagle.target, [(s.state, d) for s, d in zip(active, drafted, strict=True)]
-                )
-            for stream, step, rows in zip(active, drafted, features, strict=True):
-                stream.conclude(step, rows)
+        run_batched(streams)
     return watch
 
 
