@@ -12,7 +12,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_batched_verify import PROMPTS, _configs, _run_batched
+from batched_streams import run_batched
+from test_batched_verify import PROMPTS, _configs
 from test_generation import FLAT, PROMPT, TREES, _greedy, _model, _vanilla
 from tiny_models import ARCHS, VOCAB_SIZE, make_tiny_model
 from torch import nn
@@ -173,7 +174,7 @@ def test_batched_verification_equals_each_request_alone(arch: str) -> None:
     configs = _configs()
     alone = [generator.generate(p, c).token_ids for p, c in zip(PROMPTS, configs, strict=True)]
     streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
-    _run_batched(streams, generator.target.model)
+    run_batched(streams)
     assert [s.result.token_ids for s in streams] == alone
 
 
@@ -191,7 +192,7 @@ def test_batched_verification_mixes_eagle3_and_eagle_requests() -> None:
         g.generate(p, c).token_ids for g, p, c in zip(generators, PROMPTS, configs, strict=True)
     ]
     streams = [g.stream(p, c) for g, p, c in zip(generators, PROMPTS, configs, strict=True)]
-    _run_batched(streams, model)
+    run_batched(streams)
     assert [s.result.token_ids for s in streams] == alone
 
 
