@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import Drafter, DraftPlan, make_drafter
+from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
 from selfspec.growing_cache import is_full_attention
@@ -159,6 +160,10 @@ class RequestState:
     """Those of the tokens the last prefill / step chose, until the stream commits them."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With ``GenerationConfig.prompt_logprobs``: the prompt's, None for its first token."""
+    deferred_advance: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Steps committed without drafting (the server's speculation gate said no), not yet given
+    to the drafter: each one's (features # [A, F], tokens # [A]) of the accepted path, root
+    first. The next drafting step advances the draft state over all of them in one call."""
 
     @property
     def calibration(self) -> float:
@@ -171,6 +176,13 @@ class DraftedStep:
 
     tree: Tree
     buffers: TreeBuffers
+    drafted: bool = True
+    """False: the root alone because this step did not speculate (``draft(speculate=False)``);
+    its conclusion then defers the draft state's advance to the next step that drafts."""
+
+
+MAX_DEFERRED_TOKENS = 64
+"""Committed tokens a request's draft state may lag behind before it catches up anyway."""
 
 
 class SpeculativeGenerator:
@@ -196,6 +208,8 @@ class SpeculativeGenerator:
         self.drafter: Drafter | None = (
             make_drafter(heads, self.target) if heads is not None else None
         )
+        if heads is not None:
+            heads_on_kernels(self.drafter, heads, model)  # drafting's small-M linears
         self.taps = taps_for(self.drafter, self.target.body)  # EAGLE-3's layers, else None
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
@@ -359,6 +373,7 @@ class SpeculativeGenerator:
         this step even in a speculating request (the draft state still advances in
         ``conclude``, as after a step whose drafts were all rejected)."""
         if config.speculate and speculate:
+            self._catch_up(state)
             sizer = (
                 TreeSizer(
                     self.cost_curve,
@@ -384,7 +399,19 @@ class SpeculativeGenerator:
             tree = _root_only(state.root_token, self.target.device)
         with record_function("selfspec.tree_buffers"):
             buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
-        return DraftedStep(tree, buffers)
+        return DraftedStep(tree, buffers, drafted=config.speculate and speculate)
+
+    def _catch_up(self, state: RequestState) -> None:
+        """Advance the draft state over the steps committed without drafting, in one call: the
+        pairs it appends are those the steps' own advances would have appended, in order (each
+        step's root is the bonus token of the one before)."""
+        if not state.deferred_advance:
+            return
+        features = torch.cat([f for f, _ in state.deferred_advance])  # [sum A, F]
+        tokens = torch.cat([t for _, t in state.deferred_advance])  # [sum A]
+        state.deferred_advance.clear()
+        with record_function("selfspec.draft_advance"):
+            self.drafter.advance(state.draft_state, features, tokens, state.root_token)
 
     def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
         """Draft, verify in one target forward, commit. Returns the newly committed tokens.
@@ -446,14 +473,17 @@ class SpeculativeGenerator:
             accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
         if config.speculate:
             draft_features = features if state.taps is None else _take_draft_features(state)
-            with record_function("selfspec.draft_advance"):
-                self.drafter.advance(
-                    state.draft_state,
-                    draft_features[verdict.accepted],
-                    accepted_tokens,
-                    verdict.bonus,
-                )
+            path_features = draft_features[verdict.accepted]  # [A, F]
+            if drafted.drafted:
+                with record_function("selfspec.draft_advance"):
+                    self.drafter.advance(
+                        state.draft_state, path_features, accepted_tokens, verdict.bonus
+                    )
+            else:  # the next step that drafts catches up (``_catch_up``)
+                state.deferred_advance.append((path_features, accepted_tokens))
         state.root_token = verdict.bonus
+        if sum(len(tokens) for _, tokens in state.deferred_advance) >= MAX_DEFERRED_TOKENS:
+            self._catch_up(state)  # bounded memory however long drafting stays off
         if config.logprobs is not None:
             # Token i of the path (and then the bonus) was chosen by the row of its parent.
             chosen = torch.cat([accepted_tokens[1:], accepted_tokens.new_tensor([verdict.bonus])])

@@ -144,3 +144,54 @@ def test_steps_without_drafts_leave_greedy_output_unchanged(kind: str) -> None:
     assert sizes[1] == 1 and max(sizes) > 1
     seeded = GenerationConfig(sampling=SamplingParams(temperature=1.0), seed=3)
     assert not generator.stream(PROMPTS[0], seeded).trees_may_vary
+
+
+def _draft_length(state: object) -> int:
+    """Committed entries the draft state holds: EAGLE's cache length; Medusa keeps one feature."""
+    cache = getattr(state, "cache", None)
+    return cache.length if cache is not None else 1
+
+
+def test_steps_without_drafts_defer_the_draft_advance() -> None:
+    """A step that does not draft leaves the draft state alone; the next step that drafts first
+    catches up over every skipped step in one advance, to the state that advancing each step
+    would have reached."""
+    generator = _generator("llama", "eagle")
+    config = _configs()[0]
+    every, skipping = generator.stream(PROMPTS[0], config), generator.stream(PROMPTS[0], config)
+    every.start(), skipping.start()
+    for step in range(6):
+        speculate = step in (0, 4)
+        for stream, own in ((every, True), (skipping, speculate)):
+            drafted = stream.draft(speculate=own)
+            if not own:
+                assert not drafted.drafted and drafted.tree.size == 1
+            with torch.inference_mode():
+                features = verify_features(stream.owner.target, [(stream.state, drafted)])
+            stream.conclude(drafted, features[0])
+        if step in (1, 2, 3):
+            assert len(skipping.state.deferred_advance) == step  # nothing advanced yet
+        if step == 4:  # drafted: caught up first, then advanced over its own step
+            assert skipping.state.deferred_advance == []
+            assert _draft_length(skipping.state.draft_state) == skipping.state.committed_len
+    assert _draft_length(every.state.draft_state) == every.state.committed_len
+
+
+def test_deferred_advances_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However long drafting stays off, a request holds at most MAX_DEFERRED_TOKENS deferred
+    tokens: then it catches up anyway."""
+    monkeypatch.setattr("selfspec.generation.MAX_DEFERRED_TOKENS", 4)
+    generator = _generator("llama", "eagle")
+    stream = generator.stream(PROMPTS[1], _configs()[0])
+    stream.start()
+    lengths = []
+    while not stream.done:
+        drafted = stream.draft(speculate=False)
+        with torch.inference_mode():
+            features = verify_features(stream.owner.target, [(stream.state, drafted)])
+        stream.conclude(drafted, features[0])
+        if not stream.done:
+            assert sum(len(t) for _, t in stream.state.deferred_advance) < 4
+            lengths.append(_draft_length(stream.state.draft_state))
+    assert len(set(lengths)) > 1  # it did catch up along the way
+    assert stream.result.token_ids == generator.generate(PROMPTS[1], _configs()[0]).token_ids

@@ -58,7 +58,9 @@ class KernelLinear(nn.Linear):
         kernel_weight = self.kernel_weight()
         if extension.load() is None:
             rows = x.reshape(-1, x.shape[-1])  # [M, K]
-            out = ops.linear_fallback(rows.to(self._dense().dtype), self._dense(), self.bias)
+            dense = self._dense()
+            bias = None if self.bias is None else self.bias.to(dense.dtype)
+            out = ops.linear_fallback(rows.to(dense.dtype), dense, bias)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         # A decoding step calls this ~200 times: the kernel takes [..., K] as it is and nothing
         # is converted that is already fp32 and contiguous.

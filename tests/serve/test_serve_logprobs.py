@@ -45,7 +45,11 @@ def test_chat_logprobs_shape_and_speculation_changes_nothing(main_server, model:
     assert got == pytest.approx(want, abs=1e-5)
     streamed = _streamed(url, "/v1/chat/completions", body)
     pieces = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0].get("logprobs")]
-    assert [e for p in pieces for e in p["content"]] == content
+    streamed_content = [e for p in pieces for e in p["content"]]
+    # The same tokens; log-probabilities up to float noise: the speculation gate times rounds,
+    # so two runs may verify a token in trees of different sizes (torch ops on this model).
+    assert [e["token"] for e in streamed_content] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed_content] == pytest.approx(got, abs=1e-5)
 
 
 def test_chat_without_logprobs_has_none(main_server) -> None:
