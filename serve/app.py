@@ -41,6 +41,7 @@ from selfspec.serve.guard import AccessPolicy, Guard
 from selfspec.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
+from selfspec.serve.speculation_gate import SpeculationGate
 from selfspec.stats import GenerationStats
 from selfspec.target import apply_chat_template
 from selfspec.tree import TreeSpec
@@ -68,6 +69,9 @@ class ServerState:
     max_queue_per_adapter: int | None = None
     """Waiting places one adapter may hold; None: all but a quarter of max_queue."""
     batch_verify: bool = True
+    speculation_gate: bool = True
+    """Rounds speculate only where that commits more tokens per second (``SpeculationGate``);
+    False: every round of a speculating request drafts."""
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
     prefix_cache: PrefixCache | None = None
@@ -116,6 +120,7 @@ class ServerState:
             self.max_queue,
             self.batch_verify,
             self.max_queue_per_adapter,
+            SpeculationGate() if self.speculation_gate else None,
         )
         self.served = set(self.store.names()) if self.store is not None else set()
 

@@ -70,6 +70,14 @@ class ServeArgs(TargetOptions):
             "per request, interleaved"
         },
     )
+    speculation_gate: bool = field(
+        default=True,
+        metadata={
+            "help": "per batch size, time rounds with and without drafting and run the faster "
+            "(outputs unchanged: a round without drafts verifies each root alone); off: every "
+            "round of a speculating request drafts"
+        },
+    )
     max_queue: int = field(
         default=64, metadata={"help": "requests waiting for a slot; more are answered 429"}
     )
@@ -244,6 +252,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         max_queue=args.max_queue,
         max_queue_per_adapter=args.max_queue_per_adapter,
         batch_verify=args.batch_verify,
+        speculation_gate=args.speculation_gate,
         adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,

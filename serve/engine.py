@@ -140,8 +140,9 @@ class Engine:
         max_queue_per_adapter: int | None = None,
         speculation_gate: SpeculationGate | None = None,
     ) -> None:
-        """``speculation_gate``: decides per round whether the batch speculates (default: a
-        `SpeculationGate`, so speculation never runs slower than plain decoding)."""
+        """``speculation_gate``: decides per round whether the batch speculates, so speculation
+        never runs slower than plain decoding; None: every round of a speculating request
+        drafts."""
         if max_running < 1 or max_queue < 0:
             raise ValueError(
                 f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
@@ -159,7 +160,7 @@ class Engine:
         self.max_running = max_running
         self.max_queue = max_queue
         self.batch_verify = batch_verify
-        self.speculation_gate = speculation_gate or SpeculationGate()
+        self.speculation_gate = speculation_gate
         self._committed_tokens = 0
         """Tokens delivered so far (the gate times rounds by them)."""
         self.peak_running = 0
@@ -371,7 +372,9 @@ class Engine:
         """One round of ``jobs``, speculating or not as the gate says (timed for it); a seeded
         sampled request speculates always, so that its seed repeats its output."""
         gate = self.speculation_gate
-        gated = any(job.speculate and job.stream.trees_may_vary for job in jobs)
+        gated = gate is not None and any(
+            job.speculate and job.stream.trees_may_vary for job in jobs
+        )
         speculate = gate.choose(len(jobs)) if gated else True
         started, committed = time.perf_counter(), self._committed_tokens
         left = self._draft_and_verify(jobs, speculate)

@@ -5,10 +5,13 @@ depth before any tree is priced; in a batch of fp32 requests on a CPU that cost 
 the accepted drafts save (measured: 4 clients, 49 vs 84 output tokens/s with and without
 speculation). The gate measures both: per batch size, a moving average of committed tokens per
 second of the rounds that speculated and of those that did not, and runs each round with the
-faster one; every ``explore_every``-th round of a batch size takes the other, so a change in
-load or acceptance is seen. Until each has ``warmup`` rounds they alternate. Outputs never
-depend on it: a round that does not speculate verifies each request's root token alone, as a
-step whose drafts were all rejected would.
+faster one; now and then a round of a batch size takes the other, so a change in load or
+acceptance is seen: ``explore_every`` rounds after the last such round, an interval that doubles
+(up to ``max_explore_every``) each time the explored choice is still the slower one and falls
+back once it wins, so a settled choice pays ~1 % of rounds for exploring, not 10 %. Until each
+has ``warmup`` rounds they alternate. Outputs never depend on it: a round that does not
+speculate verifies each request's root token alone, as a step whose drafts were all rejected
+would (its draft-state advance deferred to the next round that drafts).
 """
 
 from __future__ import annotations
@@ -20,17 +23,25 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SpeculationGateConfig:
     explore_every: int = 10
-    """Every this many rounds of one batch size, the slower choice runs once more."""
+    """Rounds of one batch size between explorations of the slower choice, at first."""
+    max_explore_every: int = 160
+    """The longest that interval grows while the explored choice keeps losing."""
     warmup: int = 3
     """Rounds of each choice, per batch size, before the faster one is preferred."""
     smoothing: float = 0.2
     """Weight of the newest round in the moving averages."""
 
     def __post_init__(self) -> None:
-        if self.explore_every < 2 or self.warmup < 1 or not 0.0 < self.smoothing <= 1.0:
+        if (
+            self.explore_every < 2
+            or self.max_explore_every < self.explore_every
+            or self.warmup < 1
+            or not 0.0 < self.smoothing <= 1.0
+        ):
             raise ValueError(
-                "explore_every must be >= 2, warmup >= 1 and smoothing in (0, 1], got "
-                f"{self.explore_every}, {self.warmup}, {self.smoothing}"
+                "explore_every must be >= 2, max_explore_every >= explore_every, warmup >= 1 "
+                f"and smoothing in (0, 1], got {self.explore_every}, {self.max_explore_every}, "
+                f"{self.warmup}, {self.smoothing}"
             )
 
 
@@ -41,6 +52,12 @@ class _Rates:
     rounds: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     chosen: int = 0
     """Rounds chosen so far at this batch size."""
+    interval: int = 0
+    """Rounds from one exploration to the next (0: not yet set)."""
+    next_explore: int = 0
+    """The value of ``chosen`` at which the next round explores."""
+    exploring: bool | None = None
+    """The choice an exploration round just took, until its round is observed."""
 
 
 class SpeculationGate:
@@ -59,9 +76,15 @@ class SpeculationGate:
             for arm in (True, False):
                 if rates.rounds[arm] < self.config.warmup:
                     return arm
+            if rates.interval == 0:  # warm-up just ended: the first exploration at round
+                rates.interval = self.config.explore_every  # explore_every, or now if past it
+                rates.next_explore = max(self.config.explore_every, rates.chosen)
             faster = rates.rate[True] >= rates.rate[False]
-            explore = rates.chosen % self.config.explore_every == 0
-            return faster != explore
+            if rates.chosen < rates.next_explore:
+                return faster
+            rates.next_explore = rates.chosen + rates.interval
+            rates.exploring = not faster
+            return not faster
 
     def observe(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A finished round: ``tokens`` committed over all its requests in ``seconds``."""
@@ -74,6 +97,15 @@ class SpeculationGate:
             weight = self.config.smoothing
             rates.rate[speculated] = rate if old is None else (1 - weight) * old + weight * rate
             rates.rounds[speculated] += 1
+            if rates.exploring is not None and rates.exploring == speculated:
+                still_slower = rates.rate[speculated] < rates.rate[not speculated]
+                rates.interval = (
+                    min(2 * rates.interval, self.config.max_explore_every)
+                    if still_slower
+                    else self.config.explore_every
+                )
+                rates.next_explore = rates.chosen + rates.interval
+                rates.exploring = None
 
     def rates(self, batch_size: int) -> dict[bool, float]:
         """The current averages (tokens/s by whether speculating), for metrics and tests."""

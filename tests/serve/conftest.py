@@ -47,6 +47,9 @@ def server_for(assets) -> Callable[..., object]:
             # A fixed tree: on a tiny model the adaptive default may rightly decide that no
             # draft is worth verifying, and these tests check what speculation reports.
             "tree": "dynamic",
+            # Every round drafts: the speculation gate, timing rounds, could rightly find plain
+            # rounds faster here and skip drafting (tests/serve/test_serve_gate.py runs it).
+            "speculation_gate": False,
             **overrides,
         }
         state = build_state(ServeArgs(**fields))
