@@ -27,6 +27,7 @@ from selfspec.growing_cache import is_full_attention
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from selfspec.prefill import PrefillProgress
 from selfspec.prefix_cache import CachedPrefix, PrefixCache
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.stats import GenerationStats, StepRecord
@@ -291,6 +292,19 @@ class SpeculativeGenerator:
 
     def prefill(self, prompt: torch.Tensor, config: GenerationConfig) -> RequestState:
         """prompt: # [S] -> state with the first token chosen and the cache filled."""
+        state = self.prefill_chunk(self.begin_prefill(prompt, config), config, None)
+        assert state is not None  # no chunk limit: the whole prompt
+        return state
+
+    @property
+    def prefill_chunks_exact(self) -> bool:
+        """Whether a prompt prefilled in chunks gives the same bits as in one forward: the
+        target's rows are computed row-invariantly (as for the prefix cache)."""
+        return self.prefix_cache_exact
+
+    def begin_prefill(self, prompt: torch.Tensor, config: GenerationConfig) -> PrefillProgress:
+        """A prefill of ``prompt`` # [S] to run with ``prefill_chunk``: its generator seeded, a
+        cached prefix of the prompt (if any) already in its cache."""
         device = self.target.device
         generator = torch.Generator(device=device)
         if config.seed is None:
@@ -298,29 +312,59 @@ class SpeculativeGenerator:
         else:
             generator.manual_seed(config.seed)
         cache = self.target.new_cache()
-        taps = self.taps if config.speculate else None
         reuse = self._cached_prefix(prompt, config, cache)  # fills the cache's first entries
-        start = 0 if reuse is None else reuse.length
-        positions = torch.arange(start, prompt.shape[0], device=device)[None]
-        mask = None if reuse is None else _after_prefix_mask(start, prompt.shape[0], self.target)
-        with record_function("selfspec.prefill"), maybe_capture(taps) as tapped:
-            features = self.target.features(prompt[None, start:], positions, cache, mask)[0]
+        return PrefillProgress(
+            prompt=prompt,
+            cache=cache,
+            generator=generator,
+            taps=self.taps if config.speculate else None,
+            reuse=reuse,
+            done=0 if reuse is None else reuse.length,
+        )
+
+    def prefill_chunk(
+        self, progress: PrefillProgress, config: GenerationConfig, max_tokens: int | None
+    ) -> RequestState | None:
+        """Run up to ``max_tokens`` more prompt tokens (None: the rest; the rest anyway where
+        chunks would not be exact, see ``prefill_chunks_exact``). Returns the request's state
+        once the prompt is done (its first token chosen), else None."""
+        prompt, start = progress.prompt, progress.done
+        length = int(prompt.shape[0])
+        end = length
+        if max_tokens is not None and self.prefill_chunks_exact:
+            end = min(length, start + max(1, max_tokens))
+        positions = torch.arange(start, end, device=self.target.device)[None]
+        mask = None if start == 0 else _after_prefix_mask(start, end, self.target)
+        with record_function("selfspec.prefill"), maybe_capture(progress.taps) as tapped:
+            chunk = self.target.features(prompt[None, start:end], positions, progress.cache, mask)
+        progress.features.append(chunk[0])  # [n, H]
+        if tapped is not None:
+            progress.tapped.append(tapped.stacked()[0])  # [n, k * H]
+        progress.done = end
+        return self._finish_prefill(progress, config) if end == length else None
+
+    def _finish_prefill(self, progress: PrefillProgress, config: GenerationConfig) -> RequestState:
+        """The whole prompt is in the cache: choose the first token, store the prefix, start the
+        drafter."""
+        prompt, cache, reuse = progress.prompt, progress.cache, progress.reuse
+        features = torch.cat(progress.features)  # [S - reused, H]
+        with record_function("selfspec.prefill"):
             logits = self.target.logits(features[-1])  # [vocab]
         # What the drafter reads: the last hidden states, or the tapped layers # [S, F]
-        draft_features = features if tapped is None else tapped.stacked()[0]
+        draft_features = features if progress.taps is None else torch.cat(progress.tapped)
         if reuse is not None and reuse.features is not None:
             draft_features = torch.cat([reuse.features, draft_features])
         namespace = self._prefix_namespace(config, cache)
         if namespace is not None:
             stored = draft_features if config.speculate else None
             self.prefix_cache.insert(namespace, prompt.tolist(), cache, stored)
-        first = _choose(logits, config.sampling, generator)
+        first = _choose(logits, config.sampling, progress.generator)
         state = RequestState(
             cache=cache,
-            generator=generator,
+            generator=progress.generator,
             committed_len=prompt.shape[0],
             root_token=first,
-            taps=taps,
+            taps=progress.taps,
         )
         if config.logprobs is not None:
             state.logprobs = []
@@ -533,6 +577,8 @@ class GenerationStream:
             else generator.default_stop_ids
         )
         self._state: RequestState | None = None
+        self._prefill: PrefillProgress | None = None
+        self._prefill_seconds = 0.0
         self._result: GenerationResult | None = None
         self._decode_started = 0.0
 
@@ -573,16 +619,41 @@ class GenerationStream:
 
     def start(self) -> StepOutput:
         """Prefill the prompt and commit the first token."""
+        output = self.prefill()
+        assert output is not None  # no chunk limit: the whole prompt
+        return output
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt tokens not yet prefilled (0 once started)."""
+        if self._state is not None:
+            return 0
+        if self._prefill is None:
+            return len(self._prompt_ids)
+        return self._prefill.remaining
+
+    def prefill(self, max_tokens: int | None = None) -> StepOutput | None:
+        """Prefill up to ``max_tokens`` more prompt tokens (None: all the rest), a chunk a call
+        (``selfspec.prefill``); once the prompt is done, commit the first token and return its
+        output (as ``start``), until then None."""
         if self._state is not None:
             raise RuntimeError("the stream was already started")
         owner = self._owner
         started = time.perf_counter()
-        prompt = torch.tensor(self._prompt_ids, dtype=torch.long, device=owner.target.device)
         with torch.inference_mode(), self._scope():
-            state = owner.prefill(prompt, self._config)
+            if self._prefill is None:
+                prompt = torch.tensor(
+                    self._prompt_ids, dtype=torch.long, device=owner.target.device
+                )
+                self._prefill = owner.begin_prefill(prompt, self._config)
+            state = owner.prefill_chunk(self._prefill, self._config, max_tokens)
+        self._prefill_seconds += time.perf_counter() - started
+        if state is None:
+            return None
+        self._prefill = None
         self._state = state
         state.stats.prompt_tokens = len(self._prompt_ids)
-        state.stats.prefill_seconds = time.perf_counter() - started
+        state.stats.prefill_seconds = self._prefill_seconds
         output = self._commit(state, [state.root_token], self._stop_ids)
         output.prompt_logprobs = state.prompt_logprobs
         self._decode_started = time.perf_counter()

@@ -72,6 +72,9 @@ class ServerState:
     speculation_gate: bool = True
     """Rounds speculate only where that commits more tokens per second (``SpeculationGate``);
     False: every round of a speculating request drafts."""
+    prefill_chunk: int | None = None
+    """Prompt tokens the new requests' prefills may run per engine round (``Engine``); None:
+    every new prompt whole in its first round."""
     drain_timeout: float = 30.0
     enable_lora_management: bool = False
     prefix_cache: PrefixCache | None = None
@@ -121,6 +124,7 @@ class ServerState:
             self.batch_verify,
             self.max_queue_per_adapter,
             SpeculationGate() if self.speculation_gate else None,
+            self.prefill_chunk,
         )
         self.served = set(self.store.names()) if self.store is not None else set()
 

@@ -78,6 +78,15 @@ class ServeArgs(TargetOptions):
             "round of a speculating request drafts"
         },
     )
+    prefill_chunk: int = field(
+        default=256,
+        metadata={
+            "help": "prompt tokens the new requests' prefills may run per engine round, so a "
+            "long prompt is prefilled over several rounds while the running requests keep "
+            "decoding (on the row-invariant kernels, where chunks change no bit; elsewhere "
+            "prompts are prefilled whole); 0: every new prompt whole in its first round"
+        },
+    )
     max_queue: int = field(
         default=64, metadata={"help": "requests waiting for a slot; more are answered 429"}
     )
@@ -171,6 +180,8 @@ class ServeArgs(TargetOptions):
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_running < 1 or self.max_queue < 0:
             raise ValueError("--max-running must be >= 1 and --max-queue >= 0")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be >= 0 tokens, got {self.prefill_chunk}")
         per_adapter = self.max_queue_per_adapter
         if per_adapter is not None and not 0 <= per_adapter <= self.max_queue:
             raise ValueError("--max-queue-per-adapter must be in [0, --max-queue]")
@@ -253,6 +264,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         max_queue_per_adapter=args.max_queue_per_adapter,
         batch_verify=args.batch_verify,
         speculation_gate=args.speculation_gate,
+        prefill_chunk=args.prefill_chunk or None,
         adapter_heads=args.adapter_heads,
         drain_timeout=args.drain_timeout,
         enable_lora_management=args.enable_lora_management,

@@ -139,10 +139,17 @@ class Engine:
         batch_verify: bool = True,
         max_queue_per_adapter: int | None = None,
         speculation_gate: SpeculationGate | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         """``speculation_gate``: decides per round whether the batch speculates, so speculation
         never runs slower than plain decoding; None: every round of a speculating request
-        drafts."""
+        drafts. ``prefill_chunk``: prompt tokens the prefills of one round may run together,
+        so a long prompt is prefilled over several rounds while the others decode (where chunks
+        are exact: the row-invariant kernels; elsewhere a prompt is prefilled whole); None: each
+        new request's whole prompt in its first round."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 tokens or None, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if max_running < 1 or max_queue < 0:
             raise ValueError(
                 f"max_running must be >= 1 and max_queue >= 0, got {max_running}, {max_queue}"
@@ -321,13 +328,20 @@ class Engine:
     def _round(self, jobs: list[Job]) -> list[Job]:
         """One step of every job (prefill for new ones). Returns the jobs that left."""
         left, decoding = [], []
+        budget = self.prefill_chunk  # prompt tokens this round's prefills may run
         for job in jobs:
             if job.cancelled.is_set():
                 self._finish(job, Event("cancelled", index=job.index), "cancelled")
                 left.append(job)
-            elif job.started is None:
-                if not self._guarded(job, partial(self._start, job)):
+            elif job.stream.state is None:  # prefilling: a chunk while the budget lasts
+                if budget is not None and budget <= 0:
+                    continue
+                remaining = job.stream.prefill_remaining
+                alive = self._guarded(job, partial(self._prefill, job, budget))
+                if not alive:
                     left.append(job)
+                if budget is not None:
+                    budget -= remaining - (job.stream.prefill_remaining if alive else 0)
             else:
                 decoding.append(job)
         if not self.batch_verify:
@@ -340,14 +354,18 @@ class Engine:
             left += self._step_together(batch)
         return left
 
-    def _start(self, job: Job) -> StepOutput:
-        job.started = time.perf_counter()
-        job.queue_seconds = job.started - job.admitted
-        self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
-        if self.store is not None:
-            # Resident for the whole request: never evicted between its steps.
-            job.resources.enter_context(self.store.pinned(job.adapter))
-        return job.stream.start()
+    def _prefill(self, job: Job, max_tokens: int | None) -> StepOutput:
+        """A chunk of ``job``'s prefill (the first pins its adapter); the first token's output
+        once its prompt is done, until then an empty one."""
+        if job.started is None:
+            job.started = time.perf_counter()
+            job.queue_seconds = job.started - job.admitted
+            self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
+            if self.store is not None:
+                # Resident for the whole request: never evicted between its steps.
+                job.resources.enter_context(self.store.pinned(job.adapter))
+        output = job.stream.prefill(max_tokens)
+        return output if output is not None else StepOutput([], "")
 
     def _batches(self, jobs: list[Job]) -> list[list[Job]]:
         """Jobs whose trees can share one forward: the same target (their heads may differ), and
