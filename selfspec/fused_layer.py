@@ -42,6 +42,7 @@ class FusedParts:
 
 
 NOT_FUSED = FusedParts()
+ALL_FUSED = FusedParts(attention_inputs=True, attention_output=True, mlp=True)
 
 
 def unfusable_reason(layer: nn.Module) -> str | None:
@@ -97,6 +98,25 @@ class FusedLayer:
         self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn, *self._linears[4:])
         self._plan = None
         self._plan_key: tuple | None = None
+        # Read every forward, so kept flat: (a module's children, name, the child planned with);
+        # (a module's parameters, name) for the tensors the plan was made from.
+        self._children = [
+            (layer._modules, "self_attn", attention),
+            (layer._modules, "mlp", mlp),
+            (layer._modules, "input_layernorm", self._norms[0]),
+            (layer._modules, "post_attention_layernorm", self._norms[1]),
+        ] + [
+            (owner._modules, name, linear)
+            for owner, name, linear in zip(
+                (attention,) * 4 + (mlp,) * 3, _LINEARS, self._linears, strict=True
+            )
+        ]
+        self._planned_tensors = [
+            (module._parameters, name)
+            for module in (*self._linears, *self._norms)
+            for name in ("weight", "bias")
+            if name in module._parameters
+        ]
 
     def parts(self, hidden: torch.Tensor) -> FusedParts:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
@@ -119,21 +139,18 @@ class FusedLayer:
             self._refresh_plan()
         return parts
 
+    @property
+    def plan(self):
+        """The layer's C++ plan (``DecoderLayerPlan``), current after ``parts``."""
+        return self._plan
+
     def _modules_replaced(self) -> bool:
         """Whether a module was swapped since (peft wraps a linear layer in its own)."""
-        attention, mlp = self.layer.self_attn, self.layer.mlp
-        current = _linears(attention, mlp)
-        return any(a is not b for a, b in zip(current, self._linears, strict=True)) or (
-            mlp is not self._mlp_modules[1]
-            or self.layer.input_layernorm is not self._norms[0]
-            or self.layer.post_attention_layernorm is not self._norms[1]
-        )
+        return any(children.get(name) is not module for children, name, module in self._children)
 
     def _refresh_plan(self) -> None:
         """Make the C++ plan again if a weight changed since (in place or replaced)."""
-        key = tuple(
-            (_tensor_key(linear.weight), _tensor_key(linear.bias)) for linear in self._linears
-        ) + tuple(_tensor_key(norm.weight) for norm in self._norms)
+        key = tuple(_tensor_key(params[name]) for params, name in self._planned_tensors)
         if key != self._plan_key:
             self._plan = self._make_plan()
             self._plan_key = key

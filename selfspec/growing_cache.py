@@ -57,27 +57,42 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states`` / ``value_states`` # [B, kv_heads, S, D]; returns the layer's
         keys and values, # [B, kv_heads, length + S, D]."""
+        key_buffer, value_buffer, start = self.reserve(key_states, value_states)
+        end = start + key_states.shape[-2]
+        key_buffer[:, :, start:end] = key_states
+        value_buffer[:, :, start:end] = value_states
+        self.extend(key_states.shape[-2])
+        return self.keys, self.values
+
+    def reserve(
+        self, key_like: torch.Tensor, value_like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for S more entries, as ``key_like`` / ``value_like`` # [B, kv_heads, S, D] (only
+        their shapes, dtypes and device are read): (key buffer, value buffer, start), buffers
+        # [B, kv_heads, capacity >= start + S, D]. The caller writes entries [start, start + S)
+        in place, then calls ``extend(S)``."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_like, value_like)
             self._key_buffer = self._value_buffer = None
             self._key_length = self._value_length = 0
-        start, new = self._key_length, key_states.shape[-2]
+        start = self._key_length
         if self._value_length != start:
             raise ValueError(f"the cache holds {start} keys but {self._value_length} values")
-        end = start + new
-        if self._key_buffer is None or self._key_buffer.shape[0] != key_states.shape[0]:
+        end = start + key_like.shape[-2]
+        if self._key_buffer is None or self._key_buffer.shape[0] != key_like.shape[0]:
             if start:
                 raise ValueError("the batch size of a growing cache cannot change mid-sequence")
-            self._key_buffer = _buffer_like(key_states, max(MIN_CAPACITY, end))
-            self._value_buffer = _buffer_like(value_states, max(MIN_CAPACITY, end))
+            self._key_buffer = _buffer_like(key_like, max(MIN_CAPACITY, end))
+            self._value_buffer = _buffer_like(value_like, max(MIN_CAPACITY, end))
         elif end > min(self._key_buffer.shape[-2], self._value_buffer.shape[-2]):
             capacity = max(2 * self._key_buffer.shape[-2], end)
             self._key_buffer = _grown(self._key_buffer, start, capacity)
             self._value_buffer = _grown(self._value_buffer, start, capacity)
-        self._key_buffer[:, :, start:end] = key_states
-        self._value_buffer[:, :, start:end] = value_states
-        self._key_length = self._value_length = end
-        return self.keys, self.values
+        return self._key_buffer, self._value_buffer, start
+
+    def extend(self, new: int) -> None:
+        """Count ``new`` more entries, written in place after ``reserve``."""
+        self._key_length = self._value_length = self._key_length + new
 
     def get_seq_length(self) -> int:
         return self._key_length if self.is_initialized else 0

@@ -12,6 +12,7 @@ from tiny_models import make_tiny_model
 from transformers import DynamicCache
 
 from selfspec.fused_layer import FusedLayer, FusedParts, unfusable_reason
+from selfspec.growing_cache import growing_cache
 from selfspec.kernels import extension
 from selfspec.kernels.modules import install_kernels
 from selfspec.lean_body import LeanBody, _fused_norm
@@ -39,15 +40,16 @@ def _tree_mask(cached: int, parents: list[int]) -> torch.Tensor:
     return torch.where(allowed, 0.0, -torch.inf)[None, None]
 
 
-def _run(body: LeanBody, fused: bool) -> list[torch.Tensor]:
+def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tensor]:
     """Prefill 7 tokens (B = 2, causal), then a 5-node tree step over the cache with a mask.
-    Returns the hidden states of both calls and the cache's keys and values."""
+    Returns the hidden states of both calls and the cache's keys and values. ``growing``: a
+    cache that grows in place, with which a fully fused body runs as one call."""
     saved = body.fused_layers
     if not fused:
         body.fused_layers = [None] * len(saved)
     try:
         generator = torch.Generator().manual_seed(0)
-        cache = DynamicCache()
+        cache = growing_cache(body.config) if growing else DynamicCache()
         prompt = torch.randint(3, 101, (2, 7), generator=generator)
         positions = torch.arange(7).expand(2, 7)
         with torch.inference_mode():
@@ -77,6 +79,48 @@ def test_fused_layers_give_the_module_path_bits(
     assert body.fused_layers[0].parts(hidden) == FusedParts(True, True, True)
     fused, modules = _run(body, fused=True), _run(body, fused=False)
     for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+    whole_calls = _count_calls(monkeypatch, body, "_whole_body")
+    whole = _run(body, fused=True, growing=True)
+    assert whole_calls == [1, 1]  # the prefill and the tree step, each one call
+    for a, b in zip(whole, modules, strict=True):
+        assert torch.equal(a, b)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> list[int]:
+    """Wrap ``obj.name`` to record each call (as a 1); returns the growing record."""
+    calls: list[int] = []
+    original = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_the_whole_body_runs_as_one_call_only_when_every_part_may() -> None:
+    """A hooked part anywhere sends the forward layer by layer; the bits stay the same."""
+    body = LeanBody(_model("llama").model)
+    expected = _run(body, fused=False, growing=True)
+    layer = body.layers[1]
+    handle = layer.mlp.up_proj.register_forward_hook(lambda _m, _a, out: None)
+    try:
+        assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is None
+        hooked = _run(body, fused=True, growing=True)
+    finally:
+        handle.remove()
+    plan = body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))
+    assert plan is not None
+    assert body._whole_body_plan(torch.zeros(1, 1, 32), DynamicCache()) is None
+    for a, b in zip(hooked, expected, strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # a changed weight: a new plan for its layer, so for the body
+        layer.mlp.down_proj.weight.mul_(2.0)
+    assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is not plan
+    changed, modules = _run(body, fused=True, growing=True), _run(body, fused=False, growing=True)
+    for a, b in zip(changed, modules, strict=True):
         assert torch.equal(a, b)
 
 

@@ -102,6 +102,50 @@ torch::Tensor mlp_block(const DecoderLayerPlan& p, const torch::Tensor& hidden,
   return hidden + run_linear(gated, p.down, isa);
 }
 
+// A body's layers, in order: one plan each, held once (a layer's weights change: a new BodyPlan).
+struct BodyPlan {
+  std::vector<DecoderLayerPlan> layers;
+};
+
+BodyPlan make_body_plan(std::vector<DecoderLayerPlan> layers) {
+  TORCH_CHECK(!layers.empty(), "a body has at least one decoder layer");
+  return BodyPlan{std::move(layers)};
+}
+
+// Every layer of a body in one call: hidden [B, S, H] -> the last layer's output [B, S, H] (before
+// the final norm). Layer l appends its S new keys and values into key_buffers[l] /
+// value_buffers[l] [B, kv_heads, capacity, D] at positions [start, start + S) and attends over
+// [0, start + S) of them, read in place: exactly the three calls per layer with the cache update
+// between them (the same kernels and ops in the same order, so the same bits).
+torch::Tensor decoder_body(const BodyPlan& body, torch::Tensor hidden, const torch::Tensor& cos,
+                           const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& key_buffers,
+                           const std::vector<torch::Tensor>& value_buffers, int64_t start,
+                           const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+  const size_t L = body.layers.size();
+  TORCH_CHECK(key_buffers.size() == L && value_buffers.size() == L, "one key and one value buffer "
+              "per layer: ", L, " layers, ", key_buffers.size(), " and ", value_buffers.size());
+  TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
+  const int64_t B = hidden.size(0), S = hidden.size(1), end = start + S;
+  c10::optional<torch::Tensor> fixed_mask;
+  if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
+  for (size_t l = 0; l < L; ++l) {
+    const DecoderLayerPlan& p = body.layers[l];
+    const torch::Tensor &keys = key_buffers[l], &values = value_buffers[l];
+    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == p.kv_heads &&
+                    keys.size(3) == p.head_dim && keys.size(2) >= end && start >= 0 &&
+                    values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
+                    keys.scalar_type() == values.scalar_type(),
+                "layer ", l, "'s cache buffers must be [B, kv_heads, >= ", end, ", head_dim], alike");
+    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa);
+    keys.narrow(2, start, S).copy_(qkv[1]);
+    values.narrow(2, start, S).copy_(qkv[2]);
+    hidden = attention_output(p, hidden, qkv[0], keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                              fixed_mask, isa);
+    hidden = mlp_block(p, hidden, isa);
+  }
+  return hidden;
+}
+
 }  // namespace
 
 void register_decoder_layer(pybind11::module& m) {
@@ -117,6 +161,8 @@ void register_decoder_layer(pybind11::module& m) {
       .def(py::init(&make_plan), py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"),
            py::arg("post_eps"), py::arg("linears"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("scaling"));
+  py::class_<BodyPlan>(m, "BodyPlan").def(py::init(&make_body_plan), py::arg("layers"));
+  m.def("decoder_body", &decoder_body);
   m.def("attention_inputs", &attention_inputs);
   m.def("attention_output", &attention_output);
   m.def("mlp_block", &mlp_block);
