@@ -26,6 +26,7 @@ from torch.nn.modules import module as torch_module
 
 from selfspec.kernels import extension
 from selfspec.kernels.modules import KernelLinear
+from selfspec.reader_hooks import reader_hooks
 
 FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
 SILU_MODULES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu, both)
@@ -77,6 +78,12 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
+def _only_readers(norm: nn.Module) -> bool:
+    """Whether ``norm``'s hooks are all reader pre-hooks (a tap on the stream it normalises)."""
+    hooks = reader_hooks(norm)
+    return hooks is not None and not hooks[1]
+
+
 def _tensor_key(tensor: torch.Tensor | None) -> tuple[int, int] | None:
     return None if tensor is None else (tensor.data_ptr(), tensor._version)
 
@@ -118,9 +125,11 @@ class FusedLayer:
             if name in module._parameters
         ]
 
-    def parts(self, hidden: torch.Tensor) -> FusedParts:
+    def parts(self, hidden: torch.Tensor, tap_readers_allowed: bool = False) -> FusedParts:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
-        brought up to date for them."""
+        brought up to date for them. ``tap_readers_allowed``: a tap's reader hooks on the input
+        norm (``selfspec.reader_hooks``) do not keep the attention inputs from
+        running fused: the caller hands them the layer's input itself."""
         if (
             hidden.dtype != torch.float32
             or hidden.device.type != "cpu"
@@ -131,7 +140,12 @@ class FusedLayer:
         ):
             return NOT_FUSED
         parts = FusedParts(
-            attention_inputs=not _hooked(*self._inputs_modules),
+            attention_inputs=not _hooked(*self._inputs_modules[1:])
+            and (
+                _only_readers(self._norms[0])
+                if tap_readers_allowed
+                else not _hooked(self._norms[0])
+            ),
             attention_output=not _hooked(*self._output_modules),
             mlp=not _hooked(*self._mlp_modules),
         )

@@ -43,6 +43,7 @@ from selfspec.growing_cache import GrowingLayer
 from selfspec.kernels import extension
 from selfspec.kernels import ops as kernels
 from selfspec.kernels.modules import uses_kernels
+from selfspec.reader_hooks import reader_hooks
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -154,9 +155,12 @@ class LeanBody:
             else None
         )  # [B, S, cache + S]
         isa = extension.requested_isa() if fused else "auto"
-        plan = self._whole_body_plan(hidden, cache) if fused else None
-        if plan is not None:
-            hidden = self._whole_body(plan, hidden, cos, signed_sin, cache, fixed_mask, isa)
+        whole = self._whole_body_plan(hidden, cache) if fused else None
+        if whole is not None:
+            plan, readers = whole
+            hidden = self._whole_body(
+                plan, readers, hidden, cos, signed_sin, cache, fixed_mask, isa
+            )
             return norm(body.norm, hidden)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
@@ -192,27 +196,33 @@ class LeanBody:
         return norm(body.norm, hidden)
 
     def _whole_body_plan(self, hidden: torch.Tensor, cache: Cache):
-        """The C++ plan of all layers, when every part of every layer may run fused in this
-        forward (``FusedLayer.parts``) and every cache layer grows in place; otherwise None."""
+        """(the C++ plan of all layers, {layer: its input norm's reader hooks}) when every part
+        of every layer may run fused in this forward (``FusedLayer.parts``; a tap's reader hooks
+        on an input norm allowed, ``selfspec.reader_hooks``) and every cache layer grows in
+        place; otherwise None."""
         if len(cache.layers) != len(self.layers) or any(
             type(layer) is not GrowingLayer for layer in cache.layers
         ):
             return None
-        plans = []
-        for fast in self.fused_layers:
-            if fast is None or fast.parts(hidden) != ALL_FUSED:
+        plans, readers = [], {}
+        for index, fast in enumerate(self.fused_layers):
+            if fast is None or fast.parts(hidden, tap_readers_allowed=True) != ALL_FUSED:
                 return None
             plans.append(fast.plan)
+            before, _ = reader_hooks(self.layers[index].input_layernorm)  # parts: no others
+            if before:
+                readers[index] = before
         if len(plans) != len(self._body_plan_layers) or any(
             a is not b for a, b in zip(plans, self._body_plan_layers, strict=True)
         ):
             self._body_plan = extension.load().BodyPlan(plans)
             self._body_plan_layers = plans  # held, so a plan's identity is never reused
-        return self._body_plan
+        return self._body_plan, readers
 
     def _whole_body(
         self,
         plan,
+        readers: dict[int, list],
         hidden: torch.Tensor,  # [B, S, H]
         cos: torch.Tensor,  # [B, S, D]
         signed_sin: torch.Tensor,  # [B, S, D]
@@ -221,7 +231,8 @@ class LeanBody:
         isa: str,
     ) -> torch.Tensor:
         """Every decoder layer in one C++ call, appending S entries to each cache layer in
-        place; the same bits as the layer-by-layer loop. # [B, S, H]"""
+        place; the same bits as the layer-by-layer loop. ``readers[l]``: hooks handed the
+        stream entering layer l, as its input norm would have been. # [B, S, H]"""
         attention = self.layers[0].self_attn
         batch, length, _ = hidden.shape
         kv_heads = attention.k_proj.out_features // attention.head_dim
@@ -230,7 +241,8 @@ class LeanBody:
         starts = {start for _, _, start in reserved}
         if len(starts) != 1:
             raise ValueError(f"the cache's layers hold different lengths: {sorted(starts)}")
-        hidden = extension.load().decoder_body(
+        captured = list(readers)
+        hidden, *entering = extension.load().decoder_body(
             plan,
             hidden,
             cos,
@@ -239,10 +251,15 @@ class LeanBody:
             [values for _, values, _ in reserved],
             starts.pop(),
             fixed_mask,
+            captured,
             isa,
         )
         for layer in cache.layers:
             layer.extend(length)
+        for index, stream in zip(captured, entering, strict=True):
+            norm = self.layers[index].input_layernorm
+            for hook in readers[index]:
+                hook(norm, (stream,), {})
         return hidden
 
 
@@ -261,12 +278,19 @@ def _module_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``norm(hidden)`` in one C++ call (fp32 hidden states and weight). A norm with hooks on
-    it (``selfspec.drafting.taps`` reads the stream entering a layer so, for one forward) is
-    called as a module. # [B, S, H]"""
-    if norm.weight.dtype != torch.float32 or norm._forward_hooks or norm._forward_pre_hooks:
+    """``norm(hidden)`` in one C++ call (fp32 hidden states and weight). Reader hooks on it
+    (``selfspec.drafting.taps`` reads the stream entering a layer so, for one forward) are
+    handed its input and output; a norm with any other hook is called as a module. # [B, S, H]"""
+    hooks = reader_hooks(norm)
+    if norm.weight.dtype != torch.float32 or hooks is None:
         return norm(hidden)
-    return kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+    before, after = hooks
+    for hook in before:
+        hook(norm, (hidden,), {})
+    out = kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
+    for hook in after:
+        hook(norm, (hidden,), out)
+    return out
 
 
 def _fused_rotate(

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfspec.reader_hooks import mark_reader
+
 _LAYER_NORMS = ("input_layernorm", "ln_1")
 _FINAL_NORMS = ("norm", "ln_f", "final_layernorm")
 
@@ -124,14 +126,14 @@ def _recorder(record: TapRecord, layer: int):
             raise LayerTapError(f"tapped layer {layer} was called without a hidden-state tensor")
         record.states[layer] = stream
 
-    return hook
+    return mark_reader(hook)  # a fused body may hand it the stream itself
 
 
 def _output_recorder(record: TapRecord, layer: int):
     def hook(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         record.states[layer] = output
 
-    return hook
+    return mark_reader(hook)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from conftest import cpp_paths
 from tiny_models import make_tiny_model
 from transformers import DynamicCache
 
+from selfspec.drafting.taps import LayerTaps
 from selfspec.fused_layer import FusedLayer, FusedParts, unfusable_reason
 from selfspec.growing_cache import growing_cache
 from selfspec.kernels import extension
@@ -111,17 +112,47 @@ def test_the_whole_body_runs_as_one_call_only_when_every_part_may() -> None:
         hooked = _run(body, fused=True, growing=True)
     finally:
         handle.remove()
-    plan = body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))
-    assert plan is not None
+    plan, readers = body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))
+    assert readers == {}
     assert body._whole_body_plan(torch.zeros(1, 1, 32), DynamicCache()) is None
     for a, b in zip(hooked, expected, strict=True):
         assert torch.equal(a, b)
     with torch.no_grad():  # a changed weight: a new plan for its layer, so for the body
         layer.mlp.down_proj.weight.mul_(2.0)
-    assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is not plan
+    assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))[0] is not plan
     changed, modules = _run(body, fused=True, growing=True), _run(body, fused=False, growing=True)
     for a, b in zip(changed, modules, strict=True):
         assert torch.equal(a, b)
+
+
+def test_layer_taps_read_the_same_streams_from_the_whole_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EAGLE-3's taps (reader hooks on input norms) keep the body one call; what they record
+    equals what the module path shows them, as do the outputs; any other hook stops it."""
+    body = LeanBody(_model("llama").model)
+    count = len(body.layers)
+    taps = LayerTaps(body.body, (0, 1, count))
+
+    def tapped(fused: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        with taps.capture() as record:
+            outputs = _run(body, fused=fused, growing=True)
+        return outputs, [record.states[k] for k in (0, 1, count)]
+
+    whole_calls = _count_calls(monkeypatch, body, "_whole_body")
+    (outputs, states), (expected_outputs, expected_states) = tapped(True), tapped(False)
+    assert whole_calls == [1, 1]
+    for i, (a, b) in enumerate(
+        zip(outputs + states, expected_outputs + expected_states, strict=True)
+    ):
+        assert torch.equal(a, b), i
+    assert states[2].shape[1] == 5  # the last forward (the tree step) wins
+    other = body.layers[1].input_layernorm.register_forward_pre_hook(lambda _m, args: None)
+    try:
+        with taps.capture():
+            assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is None
+    finally:
+        other.remove()
 
 
 def test_each_part_equals_its_modules() -> None:

@@ -112,24 +112,35 @@ BodyPlan make_body_plan(std::vector<DecoderLayerPlan> layers) {
   return BodyPlan{std::move(layers)};
 }
 
-// Every layer of a body in one call: hidden [B, S, H] -> the last layer's output [B, S, H] (before
-// the final norm). Layer l appends its S new keys and values into key_buffers[l] /
+// Every layer of a body in one call: hidden [B, S, H] -> {the last layer's output [B, S, H] (before
+// the final norm), then the stream entering each layer listed in `capture` [B, S, H], in that
+// order} (EAGLE-3's taps read those; nothing is copied for them). Layer l appends its S new keys and values into key_buffers[l] /
 // value_buffers[l] [B, kv_heads, capacity, D] at positions [start, start + S) and attends over
 // [0, start + S) of them, read in place: exactly the three calls per layer with the cache update
 // between them (the same kernels and ops in the same order, so the same bits).
-torch::Tensor decoder_body(const BodyPlan& body, torch::Tensor hidden, const torch::Tensor& cos,
-                           const torch::Tensor& signed_sin, const std::vector<torch::Tensor>& key_buffers,
-                           const std::vector<torch::Tensor>& value_buffers, int64_t start,
-                           const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidden,
+                                        const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                                        const std::vector<torch::Tensor>& key_buffers,
+                                        const std::vector<torch::Tensor>& value_buffers,
+                                        int64_t start, const c10::optional<torch::Tensor>& mask,
+                                        const std::vector<int64_t>& capture,
+                                        const std::string& isa) {
   const size_t L = body.layers.size();
   TORCH_CHECK(key_buffers.size() == L && value_buffers.size() == L, "one key and one value buffer "
               "per layer: ", L, " layers, ", key_buffers.size(), " and ", value_buffers.size());
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
   const int64_t B = hidden.size(0), S = hidden.size(1), end = start + S;
+  for (const int64_t l : capture) {
+    TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(L), "capture: layer ", l, " of ", L);
+  }
   c10::optional<torch::Tensor> fixed_mask;
   if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
+  std::vector<torch::Tensor> out(1 + capture.size());
   for (size_t l = 0; l < L; ++l) {
     const DecoderLayerPlan& p = body.layers[l];
+    for (size_t j = 0; j < capture.size(); ++j) {  // a layer's input is never changed after
+      if (capture[j] == static_cast<int64_t>(l)) out[1 + j] = hidden;
+    }
     const torch::Tensor &keys = key_buffers[l], &values = value_buffers[l];
     TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == p.kv_heads &&
                     keys.size(3) == p.head_dim && keys.size(2) >= end && start >= 0 &&
@@ -143,7 +154,8 @@ torch::Tensor decoder_body(const BodyPlan& body, torch::Tensor hidden, const tor
                               fixed_mask, isa);
     hidden = mlp_block(p, hidden, isa);
   }
-  return hidden;
+  out[0] = hidden;
+  return out;
 }
 
 }  // namespace
