@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from selfspec.linear_deltas import mark_delta_hook
+
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
 UNDERSTOOD_FIELDS = frozenset(
     {
@@ -162,8 +164,10 @@ def weights_from_state(
     return out
 
 
+@mark_delta_hook
 class _ModuleLora:
-    """The stacked LoRA weights of one base linear module, and the forward hook that adds them."""
+    """The stacked LoRA weights of one base linear module, and the forward hook that adds them
+    (a delta hook: the fused body adds the same delta itself, ``selfspec.linear_deltas``)."""
 
     def __init__(self, bank: LoraBank, module: nn.Module, capacity: int) -> None:
         self.bank = bank
@@ -231,21 +235,39 @@ class _ModuleLora:
         rows = bank.rows  # [batch]
         x = args[0]  # [batch, tokens, in]
         if x.dim() != 3 or x.shape[0] != rows.shape[0]:
-            raise ValueError(
-                f"a mixed-adapter batch of {rows.shape[0]} rows was selected, but a linear layer "
-                f"got input of shape {list(x.shape)}; expected [{rows.shape[0]}, tokens, "
-                f"{self.in_features}]"
-            )
+            raise ValueError(self._rows_mismatch(rows, list(x.shape)))
+        _, a, b_t = self._gathered_for(rows)
+        shrink = torch.bmm(x, a)  # [batch, tokens, r_max]
+        if output.requires_grad:
+            return torch.baddbmm(output, shrink, b_t)  # [batch, tokens, out]
+        return output.baddbmm_(shrink, b_t)
+
+    def fused_delta(self, batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What this hook would add in the next forward of ``batch`` rows, as tensors
+        (``selfspec.linear_deltas``): the selected adapter's (A^T # [in, r], Bt # [r, out]),
+        the rows' gathered (# [batch, in, r_max], # [batch, r_max, out]), or None."""
+        if self.bank.slot is not None:
+            return self.single[self.bank.slot]
+        rows = self.bank.rows
+        if batch != rows.shape[0]:
+            raise ValueError(self._rows_mismatch(rows, [batch, "tokens", self.in_features]))
+        _, a, b_t = self._gathered_for(rows)
+        return a, b_t
+
+    def _gathered_for(self, rows: torch.Tensor) -> tuple:
+        """(rows, A[rows].T # [batch, in, r_max], Bt[rows] # [batch, r_max, out])."""
         if self.gathered is None or self.gathered[0] is not rows:
             # Gathered once per batch composition (a server keeps one for many steps), not per
             # forward: the copy is as large as the rows' LoRA weights.
             a = self.A.index_select(0, rows).transpose(1, 2)  # [batch, in, r_max]
             self.gathered = (rows, a, self.Bt.index_select(0, rows))  # ..., [batch, r_max, out]
-        _, a, b_t = self.gathered
-        shrink = torch.bmm(x, a)  # [batch, tokens, r_max]
-        if output.requires_grad:
-            return torch.baddbmm(output, shrink, b_t)  # [batch, tokens, out]
-        return output.baddbmm_(shrink, b_t)
+        return self.gathered
+
+    def _rows_mismatch(self, rows: torch.Tensor, shape: list) -> str:
+        return (
+            f"a mixed-adapter batch of {rows.shape[0]} rows was selected, but a linear layer "
+            f"got input of shape {shape}; expected [{rows.shape[0]}, tokens, {self.in_features}]"
+        )
 
 
 class LoraBank:

@@ -26,6 +26,7 @@ from torch.nn.modules import module as torch_module
 
 from selfspec.kernels import extension
 from selfspec.kernels.modules import KernelLinear
+from selfspec.linear_deltas import Delta, delta_hook
 from selfspec.reader_hooks import reader_hooks
 
 FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
@@ -78,6 +79,15 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
+def _not_hooked(module: nn.Module) -> bool:
+    return not _hooked(module)
+
+
+def _delta_or_none(linear: nn.Module) -> bool:
+    """Whether ``linear`` has no hook but, at most, one delta hook."""
+    return delta_hook(linear) is not False
+
+
 def _only_readers(norm: nn.Module) -> bool:
     """Whether ``norm``'s hooks are all reader pre-hooks (a tap on the stream it normalises)."""
     hooks = reader_hooks(norm)
@@ -100,9 +110,7 @@ class FusedLayer:
         attention, mlp = layer.self_attn, layer.mlp
         self._linears = _linears(attention, mlp)
         self._norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        self._inputs_modules = (layer.input_layernorm, *self._linears[:3])
-        self._output_modules = self._linears[3:4]
-        self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn, *self._linears[4:])
+        self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn)  # besides linears
         self._plan = None
         self._plan_key: tuple | None = None
         # Read every forward, so kept flat: (a module's children, name, the child planned with);
@@ -125,11 +133,12 @@ class FusedLayer:
             if name in module._parameters
         ]
 
-    def parts(self, hidden: torch.Tensor, tap_readers_allowed: bool = False) -> FusedParts:
+    def parts(self, hidden: torch.Tensor, whole_body: bool = False) -> FusedParts:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
-        brought up to date for them. ``tap_readers_allowed``: a tap's reader hooks on the input
-        norm (``selfspec.reader_hooks``) do not keep the attention inputs from
-        running fused: the caller hands them the layer's input itself."""
+        brought up to date for them. ``whole_body``: for ``decoder_body``, which hands a tap's
+        reader hooks on the input norm (``selfspec.reader_hooks``) the layer's input itself and
+        adds the deltas of delta hooks on the linear layers (``selfspec.linear_deltas``,
+        ``deltas``), so neither keeps a part from running fused."""
         if (
             hidden.dtype != torch.float32
             or hidden.device.type != "cpu"
@@ -139,19 +148,25 @@ class FusedLayer:
             or self._modules_replaced()
         ):
             return NOT_FUSED
+        linear_ok = _delta_or_none if whole_body else _not_hooked
+        norm_ok = _only_readers if whole_body else _not_hooked
         parts = FusedParts(
-            attention_inputs=not _hooked(*self._inputs_modules[1:])
-            and (
-                _only_readers(self._norms[0])
-                if tap_readers_allowed
-                else not _hooked(self._norms[0])
-            ),
-            attention_output=not _hooked(*self._output_modules),
-            mlp=not _hooked(*self._mlp_modules),
+            attention_inputs=norm_ok(self._norms[0]) and all(map(linear_ok, self._linears[:3])),
+            attention_output=linear_ok(self._linears[3]),
+            mlp=not _hooked(*self._mlp_modules) and all(map(linear_ok, self._linears[4:])),
         )
         if parts != NOT_FUSED:
             self._refresh_plan()
         return parts
+
+    def deltas(self, batch: int) -> list[Delta]:
+        """Each linear layer's delta for the next forward of ``batch`` rows, in plan order
+        (``selfspec.linear_deltas``; None: nothing to add)."""
+        out = []
+        for linear in self._linears:
+            hook = delta_hook(linear)
+            out.append(None if hook is None else hook.fused_delta(batch))
+        return out
 
     @property
     def plan(self):

@@ -198,15 +198,15 @@ class LeanBody:
     def _whole_body_plan(self, hidden: torch.Tensor, cache: Cache):
         """(the C++ plan of all layers, {layer: its input norm's reader hooks}) when every part
         of every layer may run fused in this forward (``FusedLayer.parts``; a tap's reader hooks
-        on an input norm allowed, ``selfspec.reader_hooks``) and every cache layer grows in
-        place; otherwise None."""
+        on an input norm and delta hooks on linear layers allowed) and every cache layer grows
+        in place; otherwise None."""
         if len(cache.layers) != len(self.layers) or any(
             type(layer) is not GrowingLayer for layer in cache.layers
         ):
             return None
         plans, readers = [], {}
         for index, fast in enumerate(self.fused_layers):
-            if fast is None or fast.parts(hidden, tap_readers_allowed=True) != ALL_FUSED:
+            if fast is None or fast.parts(hidden, whole_body=True) != ALL_FUSED:
                 return None
             plans.append(fast.plan)
             before, _ = reader_hooks(self.layers[index].input_layernorm)  # parts: no others
@@ -232,7 +232,8 @@ class LeanBody:
     ) -> torch.Tensor:
         """Every decoder layer in one C++ call, appending S entries to each cache layer in
         place; the same bits as the layer-by-layer loop. ``readers[l]``: hooks handed the
-        stream entering layer l, as its input norm would have been. # [B, S, H]"""
+        stream entering layer l, as its input norm would have been; the linear layers' delta
+        hooks (the LoRA bank's) have their deltas added in C++. # [B, S, H]"""
         attention = self.layers[0].self_attn
         batch, length, _ = hidden.shape
         kv_heads = attention.k_proj.out_features // attention.head_dim
@@ -242,6 +243,9 @@ class LeanBody:
         if len(starts) != 1:
             raise ValueError(f"the cache's layers hold different lengths: {sorted(starts)}")
         captured = list(readers)
+        deltas = [delta for fast in self.fused_layers for delta in fast.deltas(batch)]
+        if not any(deltas):
+            deltas = []
         hidden, *entering = extension.load().decoder_body(
             plan,
             hidden,
@@ -252,6 +256,8 @@ class LeanBody:
             starts.pop(),
             fixed_mask,
             captured,
+            [None if delta is None else delta[0] for delta in deltas],
+            [None if delta is None else delta[1] for delta in deltas],
             isa,
         )
         for layer in cache.layers:

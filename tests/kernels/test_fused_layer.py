@@ -11,6 +11,7 @@ from conftest import cpp_paths
 from tiny_models import make_tiny_model
 from transformers import DynamicCache
 
+from selfspec.adapters.fast_lora import LoraBank, LoraWeights
 from selfspec.drafting.taps import LayerTaps
 from selfspec.fused_layer import FusedLayer, FusedParts, unfusable_reason
 from selfspec.growing_cache import growing_cache
@@ -153,6 +154,60 @@ def test_layer_taps_read_the_same_streams_from_the_whole_body(
             assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is None
     finally:
         other.remove()
+
+
+def _bank(model, names: tuple[str, ...]) -> LoraBank:
+    """A LoRA bank on ``model`` with one random rank-4 adapter per name on every linear layer
+    of its body (not the lm_head)."""
+    bank = LoraBank(model)
+    generator = torch.Generator().manual_seed(3)
+    for name in names:
+        weights = {}
+        for module_name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in module_name:
+                a = torch.randn(4, module.in_features, generator=generator) * 0.1
+                b = torch.randn(module.out_features, 4, generator=generator) * 0.1
+                weights[module_name] = LoraWeights(a, b, 2.0)
+        bank.add(name, weights)
+    return bank
+
+
+@pytest.mark.parametrize("mode", ["float32", "int4"])
+@pytest.mark.parametrize("selection", ["one", "base", "rows"])
+def test_lora_bank_deltas_run_in_the_whole_body(
+    mode: str, selection: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The LoRA bank's hooks (one adapter, the base, or one adapter per row) keep the body one
+    C++ call, which adds their deltas with the same bits as the hooks."""
+    model = _model("llama", mode)
+    bank = _bank(model, ("a", "b"))
+    body = LeanBody(model.model)
+    if selection == "one":
+        bank.select("a")
+    elif selection == "base":
+        bank.select(None)
+    else:
+        bank.select_rows(["b", None])  # the batch of 2 rows: adapter b, the base
+    whole_calls = _count_calls(monkeypatch, body, "_whole_body")
+    whole = _run(body, fused=True, growing=True)
+    assert whole_calls == [1, 1]
+    modules = _run(body, fused=False, growing=True)
+    bank.select(None)
+    bare = _run(body, fused=True, growing=True)
+    for a, b in zip(whole, modules, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(whole[0], bare[0]) == (selection == "base")
+    if selection == "rows":  # row 1 runs the base: its hidden states are the bare model's
+        assert torch.equal(whole[1][1], bare[1][1]) and not torch.equal(whole[1][0], bare[1][0])
+
+
+def test_a_rows_delta_for_another_batch_is_refused() -> None:
+    model = _model("llama")
+    bank = _bank(model, ("a", "b"))
+    body = LeanBody(model.model)
+    bank.select_rows(["a", "b", None])  # 3 rows selected; the forward has 2
+    with pytest.raises(ValueError, match="mixed-adapter batch of 3 rows"):
+        _run(body, fused=True, growing=True)
 
 
 def test_each_part_equals_its_modules() -> None:

@@ -55,19 +55,45 @@ DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Te
                           q, k, v, o, gate, up, down, heads, kv_heads, head_dim, scaling};
 }
 
+// Low-rank deltas added to a layer's linear outputs (selfspec/linear_deltas.py), one slot per
+// linear in plan order (q, k, v, o, gate, up, down); an undefined `a`: nothing to add. `a` 2-D
+// [in, r], `b` [r, out]: every row adds x a b; `a` 3-D [B, in, r], `b` [B, r, out]: row i adds
+// x[i] a[i] b[i]. The same ATen ops as the hooks that describe them, so the same bits.
+struct LayerDeltas {
+  torch::Tensor a[7], b[7];
+};
+const LayerDeltas kNoDeltas{};
+
+// x [B, S, in] -> w(x) (+ the delta) [B, S, out].
+torch::Tensor linear_plus(const torch::Tensor& x, const KernelMatrix& w, const LayerDeltas& d,
+                          int slot, const std::string& isa) {
+  torch::Tensor out = run_linear(x, w, isa);
+  const torch::Tensor &a = d.a[slot], &b = d.b[slot];
+  if (!a.defined()) return out;
+  if (a.dim() == 2) {
+    out.view({-1, w.N}).addmm_(at::mm(x.reshape({-1, w.K}), a), b);
+  } else {
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == a.size(0), "a per-row delta of ", a.size(0),
+                " rows met input of shape ", x.sizes());
+    out.baddbmm_(at::bmm(x, a), b);
+  }
+  return out;
+}
+
 // hidden [B, S, H] -> (query [B, S, heads, D], key [B, kv_heads, S, D], value [B, kv_heads, S, D]):
 // the input norm, q/k/v projections and rotary embedding (query and key rotated; key and value
 // transposed views, as the cache takes them).
 std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const torch::Tensor& hidden,
                                             const torch::Tensor& cos,
                                             const torch::Tensor& signed_sin,
-                                            const std::string& isa) {
+                                            const std::string& isa,
+                                            const LayerDeltas& d = kNoDeltas) {
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
   const int64_t B = hidden.size(0), S = hidden.size(1);
   const torch::Tensor normed = rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
-  torch::Tensor query = run_linear(normed, p.q, isa).view({B, S, p.heads, p.head_dim});
-  torch::Tensor key = run_linear(normed, p.k, isa).view({B, S, p.kv_heads, p.head_dim});
-  torch::Tensor value = run_linear(normed, p.v, isa).view({B, S, p.kv_heads, p.head_dim});
+  torch::Tensor query = linear_plus(normed, p.q, d, 0, isa).view({B, S, p.heads, p.head_dim});
+  torch::Tensor key = linear_plus(normed, p.k, d, 1, isa).view({B, S, p.kv_heads, p.head_dim});
+  torch::Tensor value = linear_plus(normed, p.v, d, 2, isa).view({B, S, p.kv_heads, p.head_dim});
   const torch::Tensor c = cos.contiguous(), s = signed_sin.contiguous();
   rotary_(query, c, s);
   rotary_(key, c, s);
@@ -78,7 +104,8 @@ std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const tor
 // (the cache after this step's update); mask [B, S, T] additive, or none (causal).
 torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& hidden,
                                const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
-                               const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+                               const c10::optional<torch::Tensor>& mask, const std::string& isa,
+                               const LayerDeltas& d = kNoDeltas) {
   const int64_t B = query.size(0), S = query.size(1);
   if (keys.scalar_type() != torch::kBFloat16) keys = keys.to(torch::kFloat32);
   values = values.to(keys.scalar_type());
@@ -91,15 +118,16 @@ torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& h
   if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
   const torch::Tensor attended =
       attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa);
-  return hidden + run_linear(attended.view({B, S, p.heads * p.head_dim}), p.o, isa);
+  return hidden + linear_plus(attended.view({B, S, p.heads * p.head_dim}), p.o, d, 3, isa);
 }
 
 // hidden + down(silu(gate(n)) * up(n)), n = post_norm(hidden): the layer's MLP block [B, S, H].
 torch::Tensor mlp_block(const DecoderLayerPlan& p, const torch::Tensor& hidden,
-                        const std::string& isa) {
+                        const std::string& isa, const LayerDeltas& d = kNoDeltas) {
   const torch::Tensor normed = rms_norm(hidden.contiguous(), p.post_norm, p.post_eps, isa);
-  const torch::Tensor gated = at::silu(run_linear(normed, p.gate, isa)) * run_linear(normed, p.up, isa);
-  return hidden + run_linear(gated, p.down, isa);
+  const torch::Tensor gated =
+      at::silu(linear_plus(normed, p.gate, d, 4, isa)) * linear_plus(normed, p.up, d, 5, isa);
+  return hidden + linear_plus(gated, p.down, d, 6, isa);
 }
 
 // A body's layers, in order: one plan each, held once (a layer's weights change: a new BodyPlan).
@@ -124,6 +152,8 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                                         const std::vector<torch::Tensor>& value_buffers,
                                         int64_t start, const c10::optional<torch::Tensor>& mask,
                                         const std::vector<int64_t>& capture,
+                                        const std::vector<c10::optional<torch::Tensor>>& delta_a,
+                                        const std::vector<c10::optional<torch::Tensor>>& delta_b,
                                         const std::string& isa) {
   const size_t L = body.layers.size();
   TORCH_CHECK(key_buffers.size() == L && value_buffers.size() == L, "one key and one value buffer "
@@ -133,6 +163,11 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
   for (const int64_t l : capture) {
     TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(L), "capture: layer ", l, " of ", L);
   }
+  TORCH_CHECK((delta_a.empty() && delta_b.empty()) ||
+                  (delta_a.size() == 7 * L && delta_b.size() == 7 * L),
+              "deltas: none, or 7 per layer (", 7 * L, "), got ", delta_a.size(), " and ",
+              delta_b.size());
+  LayerDeltas deltas;
   c10::optional<torch::Tensor> fixed_mask;
   if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
   std::vector<torch::Tensor> out(1 + capture.size());
@@ -147,12 +182,18 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                     values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
                     keys.scalar_type() == values.scalar_type(),
                 "layer ", l, "'s cache buffers must be [B, kv_heads, >= ", end, ", head_dim], alike");
-    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa);
+    for (int j = 0; j < 7 && !delta_a.empty(); ++j) {
+      const c10::optional<torch::Tensor>&a = delta_a[7 * l + j], &b = delta_b[7 * l + j];
+      TORCH_CHECK(a.has_value() == b.has_value(), "layer ", l, " linear ", j, ": a without b");
+      deltas.a[j] = a.has_value() ? *a : torch::Tensor();
+      deltas.b[j] = b.has_value() ? *b : torch::Tensor();
+    }
+    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa, deltas);
     keys.narrow(2, start, S).copy_(qkv[1]);
     values.narrow(2, start, S).copy_(qkv[2]);
     hidden = attention_output(p, hidden, qkv[0], keys.narrow(2, 0, end), values.narrow(2, 0, end),
-                              fixed_mask, isa);
-    hidden = mlp_block(p, hidden, isa);
+                              fixed_mask, isa, deltas);
+    hidden = mlp_block(p, hidden, isa, deltas);
   }
   out[0] = hidden;
   return out;
@@ -175,9 +216,18 @@ void register_decoder_layer(pybind11::module& m) {
            py::arg("head_dim"), py::arg("scaling"));
   py::class_<BodyPlan>(m, "BodyPlan").def(py::init(&make_body_plan), py::arg("layers"));
   m.def("decoder_body", &decoder_body);
-  m.def("attention_inputs", &attention_inputs);
-  m.def("attention_output", &attention_output);
-  m.def("mlp_block", &mlp_block);
+  m.def("attention_inputs", [](const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                               const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                               const std::string& isa) {
+    return attention_inputs(p, hidden, cos, signed_sin, isa);
+  });
+  m.def("attention_output", [](const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                               const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
+                               const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+    return attention_output(p, hidden, query, std::move(keys), std::move(values), mask, isa);
+  });
+  m.def("mlp_block", [](const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                        const std::string& isa) { return mlp_block(p, hidden, isa); });
 }
 
 }  // namespace selfspec_kernels
