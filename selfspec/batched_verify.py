@@ -1,18 +1,18 @@
 """One target forward that verifies the trees of several requests, each over its own KV cache.
 
-Requests have caches of different lengths and trees of different sizes. The forward runs on a
-padded batch: row b holds request b's cache (L_b entries, padded to L = max L_b) followed by its
-tree (T_b nodes, padded to T = max T_b). The 4D mask lets each tree node see its request's
-cache and its own ancestors, nothing else; a padding node sees only itself (a fully masked row
-would be NaN). Masked keys get exactly zero attention weight, so each row's features are the
-request's own (up to floating-point summation order of the batched kernels, as in any batched
-server).
+Requests have caches of different lengths and trees of different sizes. The forward runs the
+trees as a padded batch (row b: request b's tree of T_b nodes, padded to T = max T_b); the 4D
+mask lets each tree node see its request's cache and its own ancestors, nothing else; a padding
+node sees only itself (a fully masked row would be NaN). Masked keys get exactly zero attention
+weight, so each row's features are the request's own.
 
-Afterwards each request's cache gets its tree's KV entries appended, exactly as a forward of
-its own would have done, and ``GenerationStream.conclude`` verifies and commits as usual.
-
-Cost: stacking the caches copies them once per step (a single-request step copies its cache
-once too, inside ``DynamicCache.update``).
+On the kernels' whole-body path (``LeanBody.rows_forward``) each row attends over its request's
+own cache, read in place, and its tree's entries are written straight into it: no cache is
+copied, and the results are bit-identical to the request's forward of its own (row-invariant
+kernels). Elsewhere the caches are stacked into one batch (each padded to the longest, copied
+once per step) and each request's tree entries appended to its cache afterwards, exactly as a
+forward of its own would have done (up to the batched kernels' summation order).
+``GenerationStream.conclude`` then verifies and commits as usual.
 """
 
 from __future__ import annotations
@@ -48,41 +48,93 @@ def verify_features(
                 "committed: its previous step was not concluded"
             )
     batch, prefix, width = len(requests), max(lengths), max(sizes)
-    device, dtype = target.device, target.dtype
+    device = target.device
     with record_function("selfspec.batch_buffers"):
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)  # [B, T]
         positions = torch.zeros(batch, width, dtype=torch.long, device=device)  # [B, T]
-        mask = torch.full(  # [B, 1, T, L + T]
-            (batch, 1, width, prefix + width), torch.finfo(dtype).min, dtype=dtype, device=device
-        )
         for row, ((_, drafted), size, length) in enumerate(
             zip(requests, sizes, lengths, strict=True)
         ):
-            tree_mask = drafted.buffers.attention_mask[0, 0]  # [T_b, L_b + T_b]
             tokens[row, :size] = drafted.tree.tokens
             positions[row, :size] = drafted.buffers.position_ids[0]
             positions[row, size:] = length
-            mask[row, 0, :size, :length] = tree_mask[:, :length]
-            mask[row, 0, :size, prefix : prefix + size] = tree_mask[:, length:]
-            padding = torch.arange(size, width, device=device)
-            mask[row, 0, padding, prefix + padding] = 0.0
-        stacked = _stacked_cache(target, [state.cache for state, _ in requests], prefix)
     taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
-    with record_function("selfspec.verify_forward"), contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
-        features = target.features(tokens, positions, stacked, mask)  # [B, T, H]
+        features = _own_caches_forward(target, requests, tokens, positions, width)
+        if features is None:
+            features = _stacked_forward(target, requests, tokens, positions, prefix, width)
     tapped = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H] each
     for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
         if state.taps is not None:
             state.draft_features = tapped[id(state.taps)][row, :size]  # [T_b, k * H]
+    return [features[row, :size] for row, size in enumerate(sizes)]
+
+
+def _tree_mask(drafted: DraftedStep, length: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """A request's tree mask padded to ``width`` nodes: [1, width, length + width] additive. A
+    padding node sees only itself (a fully masked row would be NaN)."""
+    size = drafted.tree.size
+    tree_mask = drafted.buffers.attention_mask[0, 0]  # [T_b, L_b + T_b]
+    mask = tree_mask.new_full((1, width, length + width), torch.finfo(dtype).min, dtype=dtype)
+    mask[0, :size, : length + size] = tree_mask
+    padding = torch.arange(size, width, device=mask.device)
+    mask[0, padding, length + padding] = 0.0
+    return mask
+
+
+def _own_caches_forward(
+    target: TargetForward,
+    requests: Sequence[tuple[RequestState, DraftedStep]],
+    tokens: torch.Tensor,  # [B, T]
+    positions: torch.Tensor,  # [B, T]
+    width: int,
+) -> torch.Tensor | None:
+    """The forward over each request's own cache, none copied (``TargetForward.features_rows``),
+    each keeping its own tree's entries; None where that path cannot run. # [B, T, H]"""
+    caches = [state.cache for state, _ in requests]
+    kept = [drafted.tree.size for _, drafted in requests]
+    with record_function("selfspec.batch_buffers"):
+        masks = [
+            _tree_mask(drafted, state.committed_len, width, target.dtype)
+            for state, drafted in requests
+        ]
+    with record_function("selfspec.verify_forward"):
+        return target.features_rows(tokens, positions, caches, kept, masks)
+
+
+def _stacked_forward(
+    target: TargetForward,
+    requests: Sequence[tuple[RequestState, DraftedStep]],
+    tokens: torch.Tensor,  # [B, T]
+    positions: torch.Tensor,  # [B, T]
+    prefix: int,
+    width: int,
+) -> torch.Tensor:
+    """The forward over the requests' caches stacked into one padded batch, each request's
+    tree entries appended to its own cache afterwards. # [B, T, H]"""
+    batch, device, dtype = len(requests), target.device, target.dtype
+    with record_function("selfspec.batch_buffers"):
+        mask = torch.full(  # [B, 1, T, L + T]
+            (batch, 1, width, prefix + width), torch.finfo(dtype).min, dtype=dtype, device=device
+        )
+        for row, (state, drafted) in enumerate(requests):
+            length, size = state.committed_len, drafted.tree.size
+            own = _tree_mask(drafted, length, width, dtype)[0]  # [T, L_b + T]
+            mask[row, 0, :, :length] = own[:, :length]
+            mask[row, 0, :, prefix : prefix + width] = own[:, length:]
+        stacked = _stacked_cache(target, [state.cache for state, _ in requests], prefix)
+    with record_function("selfspec.verify_forward"):
+        features = target.features(tokens, positions, stacked, mask)  # [B, T, H]
     with record_function("selfspec.batch_unstack"):
-        for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
+        for row, (state, drafted) in enumerate(requests):
+            size = drafted.tree.size
             for own, shared in zip(state.cache.layers, stacked.layers, strict=True):
                 own.update(
                     shared.keys[row : row + 1, :, prefix : prefix + size],
                     shared.values[row : row + 1, :, prefix : prefix + size],
                 )
-    return [features[row, :size] for row, size in enumerate(sizes)]
+    return features
 
 
 def _stacked_cache(

@@ -33,6 +33,8 @@ mode, a multi-token forward over a cache without an explicit mask) is left to tr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -155,12 +157,12 @@ class LeanBody:
             else None
         )  # [B, S, cache + S]
         isa = extension.requested_isa() if fused else "auto"
-        whole = self._whole_body_plan(hidden, cache) if fused else None
+        whole = self._whole_body_plan(hidden, [cache]) if fused else None
         if whole is not None:
             plan, readers = whole
-            hidden = self._whole_body(
-                plan, readers, hidden, cos, signed_sin, cache, fixed_mask, isa
-            )
+            masks = [None] * batch if fixed_mask is None else list(fixed_mask.split(1))
+            caches = [(cache, batch, length)]
+            hidden = self._whole_body(plan, readers, hidden, cos, signed_sin, caches, masks, isa)
             return norm(body.norm, hidden)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
@@ -195,15 +197,50 @@ class LeanBody:
                 hidden = hidden + layer.mlp(norm(layer.post_attention_layernorm, hidden))
         return norm(body.norm, hidden)
 
-    def _whole_body_plan(self, hidden: torch.Tensor, cache: Cache):
+    def rows_forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        position_ids: torch.Tensor,  # [B, S]
+        caches: Sequence[Cache],  # one per row, each of batch 1
+        kept: Sequence[int],  # entries each row's cache keeps of the S it gets
+        masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
+    ) -> torch.Tensor | None:
+        """The last hidden state # [B, S, H] of B rows that each have their own cache (a
+        server's requests), in one whole-body call: no cache is copied into a batch. Row b's
+        cache gets ``kept[b]`` entries (a tree padded to S keeps its own nodes). None where
+        the whole body cannot run (the caller stacks the caches into one batch instead)."""
+        body = self.body
+        if not (self.fused_glue and self.covers(input_ids, caches[0], masks[0][None])):
+            return None
+        hidden = body.embed_tokens(input_ids)  # [B, S, H]
+        whole = self._whole_body_plan(hidden, caches) if hidden.dtype == torch.float32 else None
+        if whole is None:
+            return None
+        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
+        plan, readers = whole
+        rows = [(cache, 1, count) for cache, count in zip(caches, kept, strict=True)]
+        hidden = self._whole_body(
+            plan,
+            readers,
+            hidden,
+            cos,
+            _sign_folded(sin),
+            rows,
+            list(masks),
+            extension.requested_isa(),
+        )
+        return _fused_norm(body.norm, hidden)
+
+    def _whole_body_plan(self, hidden: torch.Tensor, caches: Sequence[Cache]):
         """(the C++ plan of all layers, {layer: its input norm's reader hooks}) when every part
         of every layer may run fused in this forward (``FusedLayer.parts``; a tap's reader hooks
         on an input norm and delta hooks on linear layers allowed) and every cache layer grows
         in place; otherwise None."""
-        if len(cache.layers) != len(self.layers) or any(
-            type(layer) is not GrowingLayer for layer in cache.layers
-        ):
-            return None
+        for cache in caches:
+            if len(cache.layers) != len(self.layers) or any(
+                type(layer) is not GrowingLayer for layer in cache.layers
+            ):
+                return None
         plans, readers = [], {}
         for index, fast in enumerate(self.fused_layers):
             if fast is None or fast.parts(hidden, whole_body=True) != ALL_FUSED:
@@ -226,22 +263,34 @@ class LeanBody:
         hidden: torch.Tensor,  # [B, S, H]
         cos: torch.Tensor,  # [B, S, D]
         signed_sin: torch.Tensor,  # [B, S, D]
-        cache: Cache,
-        fixed_mask: torch.Tensor | None,  # [B, S, cache + S]
+        caches: list[tuple[Cache, int, int]],
+        masks: list[torch.Tensor | None],  # [1, S, start + S] per row; None: causal
         isa: str,
     ) -> torch.Tensor:
-        """Every decoder layer in one C++ call, appending S entries to each cache layer in
-        place; the same bits as the layer-by-layer loop. ``readers[l]``: hooks handed the
-        stream entering layer l, as its input norm would have been; the linear layers' delta
-        hooks (the LoRA bank's) have their deltas added in C++. # [B, S, H]"""
+        """Every decoder layer in one C++ call. ``caches``: (cache, rows, kept): the rows are
+        those of the caches in order (a cache of ``rows`` rows serves the next ``rows`` rows of
+        the forward); each cache layer gets S entries written in place and ``kept`` of them
+        counted (S, or fewer: a tree padded to S). The same bits as
+        the layer-by-layer loop. ``readers[l]``: hooks handed the stream entering layer l, as
+        its input norm would have been; the linear layers' delta hooks (the LoRA bank's) have
+        their deltas added in C++. # [B, S, H]"""
         attention = self.layers[0].self_attn
         batch, length, _ = hidden.shape
         kv_heads = attention.k_proj.out_features // attention.head_dim
-        like = hidden.new_empty(batch, kv_heads, length, attention.head_dim)
-        reserved = [layer.reserve(like, like) for layer in cache.layers]
-        starts = {start for _, _, start in reserved}
-        if len(starts) != 1:
-            raise ValueError(f"the cache's layers hold different lengths: {sorted(starts)}")
+        key_rows: list[list[torch.Tensor]] = [[] for _ in self.layers]  # [layer][row]
+        value_rows: list[list[torch.Tensor]] = [[] for _ in self.layers]
+        starts: list[int] = []
+        for cache, rows, _ in caches:
+            like = hidden.new_empty(rows, kv_heads, length, attention.head_dim)
+            reserved = [layer.reserve(like, like) for layer in cache.layers]
+            if len({start for _, _, start in reserved}) != 1:
+                raise ValueError("a cache's layers hold different lengths")
+            starts += [reserved[0][2]] * rows
+            for index, (keys, values, _) in enumerate(reserved):
+                key_rows[index] += list(keys.split(1))
+                value_rows[index] += list(values.split(1))
+        if len(starts) != batch:
+            raise ValueError(f"the caches hold {len(starts)} rows, the forward {batch}")
         captured = list(readers)
         deltas = [delta for fast in self.fused_layers for delta in fast.deltas(batch)]
         if not any(deltas):
@@ -251,17 +300,18 @@ class LeanBody:
             hidden,
             cos,
             signed_sin,
-            [keys for keys, _, _ in reserved],
-            [values for _, values, _ in reserved],
-            starts.pop(),
-            fixed_mask,
+            [keys for layer in key_rows for keys in layer],
+            [values for layer in value_rows for values in layer],
+            starts,
+            masks,
             captured,
             [None if delta is None else delta[0] for delta in deltas],
             [None if delta is None else delta[1] for delta in deltas],
             isa,
         )
-        for layer in cache.layers:
-            layer.extend(length)
+        for cache, _, kept in caches:
+            for layer in cache.layers:
+                layer.extend(kept)
         for index, stream in zip(captured, entering, strict=True):
             norm = self.layers[index].input_layernorm
             for hook in readers[index]:

@@ -9,6 +9,8 @@ Python.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
@@ -85,6 +87,20 @@ class TargetForward:
             use_cache=True,
         )
         return out.last_hidden_state
+
+    def features_rows(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        position_ids: torch.Tensor,  # [B, S]
+        caches: Sequence[DynamicCache],  # one per row, each of batch 1
+        kept: Sequence[int],  # entries each row's cache keeps of the S it gets
+        masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
+    ) -> torch.Tensor | None:
+        """Last hidden states # [B, S, H] of rows with their own caches, in one forward that
+        copies no cache (``LeanBody.rows_forward``); None where that cannot run."""
+        if self.lean is None:
+            return None
+        return self.lean.rows_forward(input_ids, position_ids, caches, kept, masks)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """# [..., H] -> [..., vocab]"""

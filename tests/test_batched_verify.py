@@ -18,6 +18,8 @@ from tiny_models import ARCHS, make_tiny_model
 from selfspec.batched_verify import verify_features
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
+from selfspec.kernels import extension
+from selfspec.kernels.modules import install_kernels
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DynamicTree, StaticTree
 
@@ -195,3 +197,69 @@ def test_deferred_advances_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
             lengths.append(_draft_length(stream.state.draft_state))
     assert len(set(lengths)) > 1  # it did catch up along the way
     assert stream.result.token_ids == generator.generate(PROMPTS[1], _configs()[0]).token_ids
+
+
+@pytest.mark.skipif(extension.load() is None, reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_rows_over_their_own_caches_give_the_stacked_and_the_lone_bits(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the kernels the batch runs over each request's own cache (nothing stacked, one
+    whole-body call); features and caches equal the stacked batch's and each request's forward
+    of its own bit for bit (the kernels are row-invariant)."""
+    model = make_tiny_model(arch, seed=0).eval()
+    install_kernels(model, "float32")
+    heads = build_heads(heads_config_for(model, "eagle")).eval()
+    generator = SpeculativeGenerator(model, heads)
+    configs = _configs()  # trees of different sizes, and none
+
+    def verified(own_caches: bool) -> tuple:
+        streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
+        for stream in streams:
+            stream.start()
+        drafted = [stream.draft() for stream in streams]
+        assert len({step.tree.size for step in drafted}) > 1  # trees padded to the largest
+        with torch.inference_mode(), monkeypatch.context() as patch:
+            if not own_caches:
+                patch.setattr(generator.target, "features_rows", lambda *args: None)
+            rows = []
+            original = generator.target.lean.rows_forward
+            patch.setattr(
+                generator.target.lean,
+                "rows_forward",
+                lambda *args: rows.append(original(*args)) or rows[-1],
+            )
+            features = verify_features(
+                generator.target, [(s.state, d) for s, d in zip(streams, drafted, strict=True)]
+            )
+        assert (len(rows) == 1 and rows[0] is not None) == own_caches
+        caches = [
+            (layer.keys.clone(), layer.values.clone())
+            for stream in streams
+            for layer in stream.state.cache.layers
+        ]
+        return features, caches, streams, drafted
+
+    own, own_caches, _, _ = verified(own_caches=True)
+    stacked, stacked_caches, streams, drafted = verified(own_caches=False)
+    for a, b in zip(
+        own + [t for pair in own_caches for t in pair],
+        stacked + [t for pair in stacked_caches for t in pair],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    alone = []
+    with torch.inference_mode():
+        for prompt, config, step in zip(PROMPTS, configs, drafted, strict=True):
+            stream = generator.stream(prompt, config)
+            stream.start()
+            alone.append(
+                generator.target.features(
+                    step.tree.tokens[None],
+                    step.buffers.position_ids,
+                    stream.state.cache,
+                    step.buffers.attention_mask,
+                )[0]
+            )
+    for got, want in zip(own, alone, strict=True):
+        assert torch.equal(got, want)

@@ -109,18 +109,18 @@ def test_the_whole_body_runs_as_one_call_only_when_every_part_may() -> None:
     layer = body.layers[1]
     handle = layer.mlp.up_proj.register_forward_hook(lambda _m, _a, out: None)
     try:
-        assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is None
+        assert body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)]) is None
         hooked = _run(body, fused=True, growing=True)
     finally:
         handle.remove()
-    plan, readers = body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))
+    plan, readers = body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)])
     assert readers == {}
-    assert body._whole_body_plan(torch.zeros(1, 1, 32), DynamicCache()) is None
+    assert body._whole_body_plan(torch.zeros(1, 1, 32), [DynamicCache()]) is None
     for a, b in zip(hooked, expected, strict=True):
         assert torch.equal(a, b)
     with torch.no_grad():  # a changed weight: a new plan for its layer, so for the body
         layer.mlp.down_proj.weight.mul_(2.0)
-    assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config))[0] is not plan
+    assert body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)])[0] is not plan
     changed, modules = _run(body, fused=True, growing=True), _run(body, fused=False, growing=True)
     for a, b in zip(changed, modules, strict=True):
         assert torch.equal(a, b)
@@ -151,7 +151,9 @@ def test_layer_taps_read_the_same_streams_from_the_whole_body(
     other = body.layers[1].input_layernorm.register_forward_pre_hook(lambda _m, args: None)
     try:
         with taps.capture():
-            assert body._whole_body_plan(torch.zeros(1, 1, 32), growing_cache(body.config)) is None
+            assert (
+                body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)]) is None
+            )
     finally:
         other.remove()
 

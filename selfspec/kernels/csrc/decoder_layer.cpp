@@ -100,13 +100,11 @@ std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const tor
   return {query, key.transpose(1, 2), value.transpose(1, 2)};
 }
 
-// hidden + o_proj(attention(query over keys/values)) [B, S, H]. keys, values [B, kv_heads, T, D]
-// (the cache after this step's update); mask [B, S, T] additive, or none (causal).
-torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& hidden,
-                               const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
-                               const c10::optional<torch::Tensor>& mask, const std::string& isa,
-                               const LayerDeltas& d = kNoDeltas) {
-  const int64_t B = query.size(0), S = query.size(1);
+// attention(query over keys/values) [B, S, heads, D] fp32. keys, values [B, kv_heads, T, D] (the
+// cache after this step's update); mask [B, S, T] additive, or none (causal).
+torch::Tensor attend(const DecoderLayerPlan& p, const torch::Tensor& query, torch::Tensor keys,
+                     torch::Tensor values, const c10::optional<torch::Tensor>& mask,
+                     const std::string& isa) {
   if (keys.scalar_type() != torch::kBFloat16) keys = keys.to(torch::kFloat32);
   values = values.to(keys.scalar_type());
   const int64_t D = keys.size(-1);
@@ -116,9 +114,23 @@ torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& h
   }
   c10::optional<torch::Tensor> fixed_mask;
   if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
-  const torch::Tensor attended =
-      attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa);
+  return attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa);
+}
+
+// hidden + o_proj(attended) [B, S, H]; attended [B, S, heads, D].
+torch::Tensor output_projection(const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                                const torch::Tensor& attended, const std::string& isa,
+                                const LayerDeltas& d = kNoDeltas) {
+  const int64_t B = attended.size(0), S = attended.size(1);
   return hidden + linear_plus(attended.view({B, S, p.heads * p.head_dim}), p.o, d, 3, isa);
+}
+
+// hidden + o_proj(attention(query over keys/values)) [B, S, H] (see attend).
+torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& hidden,
+                               const torch::Tensor& query, torch::Tensor keys, torch::Tensor values,
+                               const c10::optional<torch::Tensor>& mask, const std::string& isa) {
+  return output_projection(p, hidden, attend(p, query, std::move(keys), std::move(values), mask, isa),
+                           isa);
 }
 
 // hidden + down(silu(gate(n)) * up(n)), n = post_norm(hidden): the layer's MLP block [B, S, H].
@@ -140,26 +152,35 @@ BodyPlan make_body_plan(std::vector<DecoderLayerPlan> layers) {
   return BodyPlan{std::move(layers)};
 }
 
-// Every layer of a body in one call: hidden [B, S, H] -> {the last layer's output [B, S, H] (before
-// the final norm), then the stream entering each layer listed in `capture` [B, S, H], in that
-// order} (EAGLE-3's taps read those; nothing is copied for them). Layer l appends its S new keys and values into key_buffers[l] /
-// value_buffers[l] [B, kv_heads, capacity, D] at positions [start, start + S) and attends over
-// [0, start + S) of them, read in place: exactly the three calls per layer with the cache update
-// between them (the same kernels and ops in the same order, so the same bits).
+// Every layer of a body in one call, for B rows that each have their own KV cache: hidden
+// [B, S, H] -> {the last layer's output [B, S, H] (before the final norm), then the stream
+// entering each layer listed in `capture` [B, S, H], in that order} (EAGLE-3's taps read those;
+// nothing is copied for them). Row b's cache in layer l is key_buffers[l * B + b] /
+// value_buffers[l * B + b] [1, kv_heads, capacity, D] (a row of a batched buffer, or a request's
+// own): the layer writes the row's S new keys and values at [starts[b], starts[b] + S) and the
+// row attends over [0, starts[b] + S) of them, read in place, under masks[b] [1, S, starts[b] +
+// S] (additive; none: causal). Linear layers run on all rows at once, attention row by row
+// (it is row-invariant: the same bits as over a batched cache). The same kernels and ops in the
+// same order as the three calls per layer with the cache update between them: the same bits.
 std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidden,
                                         const torch::Tensor& cos, const torch::Tensor& signed_sin,
                                         const std::vector<torch::Tensor>& key_buffers,
                                         const std::vector<torch::Tensor>& value_buffers,
-                                        int64_t start, const c10::optional<torch::Tensor>& mask,
+                                        const std::vector<int64_t>& starts,
+                                        const std::vector<c10::optional<torch::Tensor>>& masks,
                                         const std::vector<int64_t>& capture,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_a,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_b,
                                         const std::string& isa) {
   const size_t L = body.layers.size();
-  TORCH_CHECK(key_buffers.size() == L && value_buffers.size() == L, "one key and one value buffer "
-              "per layer: ", L, " layers, ", key_buffers.size(), " and ", value_buffers.size());
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
-  const int64_t B = hidden.size(0), S = hidden.size(1), end = start + S;
+  const int64_t B = hidden.size(0), S = hidden.size(1);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(masks.size()) == B,
+              "one start and one mask per row: ", B, " rows, ", starts.size(), " starts, ",
+              masks.size(), " masks");
+  TORCH_CHECK(key_buffers.size() == L * B && value_buffers.size() == L * B, "one key and one "
+              "value buffer per layer and row: ", L, " x ", B, ", got ", key_buffers.size(),
+              " and ", value_buffers.size());
   for (const int64_t l : capture) {
     TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(L), "capture: layer ", l, " of ", L);
   }
@@ -167,21 +188,23 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                   (delta_a.size() == 7 * L && delta_b.size() == 7 * L),
               "deltas: none, or 7 per layer (", 7 * L, "), got ", delta_a.size(), " and ",
               delta_b.size());
+  std::vector<c10::optional<torch::Tensor>> row_masks(B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(starts[b] >= 0, "row ", b, ": negative start");
+    if (!masks[b].has_value()) continue;
+    const torch::Tensor& mask = *masks[b];
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == 1 && mask.size(1) == S &&
+                    mask.size(2) == starts[b] + S,
+                "row ", b, "'s mask must be [1, ", S, ", ", starts[b] + S, "], got ", mask.sizes());
+    row_masks[b] = mask.to(torch::kFloat32).contiguous();
+  }
   LayerDeltas deltas;
-  c10::optional<torch::Tensor> fixed_mask;
-  if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
   std::vector<torch::Tensor> out(1 + capture.size());
   for (size_t l = 0; l < L; ++l) {
     const DecoderLayerPlan& p = body.layers[l];
     for (size_t j = 0; j < capture.size(); ++j) {  // a layer's input is never changed after
       if (capture[j] == static_cast<int64_t>(l)) out[1 + j] = hidden;
     }
-    const torch::Tensor &keys = key_buffers[l], &values = value_buffers[l];
-    TORCH_CHECK(keys.dim() == 4 && keys.size(0) == B && keys.size(1) == p.kv_heads &&
-                    keys.size(3) == p.head_dim && keys.size(2) >= end && start >= 0 &&
-                    values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
-                    keys.scalar_type() == values.scalar_type(),
-                "layer ", l, "'s cache buffers must be [B, kv_heads, >= ", end, ", head_dim], alike");
     for (int j = 0; j < 7 && !delta_a.empty(); ++j) {
       const c10::optional<torch::Tensor>&a = delta_a[7 * l + j], &b = delta_b[7 * l + j];
       TORCH_CHECK(a.has_value() == b.has_value(), "layer ", l, " linear ", j, ": a without b");
@@ -189,10 +212,22 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
       deltas.b[j] = b.has_value() ? *b : torch::Tensor();
     }
     std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa, deltas);
-    keys.narrow(2, start, S).copy_(qkv[1]);
-    values.narrow(2, start, S).copy_(qkv[2]);
-    hidden = attention_output(p, hidden, qkv[0], keys.narrow(2, 0, end), values.narrow(2, 0, end),
-                              fixed_mask, isa, deltas);
+    std::vector<torch::Tensor> attended(B);
+    for (int64_t b = 0; b < B; ++b) {
+      const torch::Tensor &keys = key_buffers[l * B + b], &values = value_buffers[l * B + b];
+      const int64_t start = starts[b], end = start + S;
+      TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == p.kv_heads &&
+                      keys.size(3) == p.head_dim && keys.size(2) >= end &&
+                      values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
+                      keys.scalar_type() == values.scalar_type(),
+                  "layer ", l, ", row ", b, ": cache buffers must be [1, kv_heads, >= ", end,
+                  ", head_dim], alike");
+      keys.narrow(2, start, S).copy_(qkv[1].narrow(0, b, 1));
+      values.narrow(2, start, S).copy_(qkv[2].narrow(0, b, 1));
+      attended[b] = attend(p, qkv[0].narrow(0, b, 1), keys.narrow(2, 0, end),
+                           values.narrow(2, 0, end), row_masks[b], isa);
+    }
+    hidden = output_projection(p, hidden, B == 1 ? attended[0] : at::cat(attended), isa, deltas);
     hidden = mlp_block(p, hidden, isa, deltas);
   }
   out[0] = hidden;
