@@ -237,8 +237,11 @@ class LeanBody:
         on an input norm and delta hooks on linear layers allowed) and every cache layer grows
         in place; otherwise None."""
         for cache in caches:
-            if len(cache.layers) != len(self.layers) or any(
-                type(layer) is not GrowingLayer for layer in cache.layers
+            layers = getattr(cache, "layers", None)  # not every cache has them (datagen's slots)
+            if (
+                not isinstance(layers, list)
+                or len(layers) != len(self.layers)
+                or any(type(layer) is not GrowingLayer for layer in layers)
             ):
                 return None
         plans, readers = [], {}

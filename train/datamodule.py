@@ -37,6 +37,7 @@ class DistilledDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         group_by_length: bool = True,
+        skip_batches: int = 0,
     ) -> None:
         """
         Args:
@@ -55,6 +56,10 @@ class DistilledDataModule(L.LightningDataModule):
             group_by_length: batch rows of similar length (``LengthGroupedBatches``: a third
                 less padding on the data engine's rows); off, or under DDP (where Lightning
                 distributes a plain shuffle), batches are drawn uniformly.
+            skip_batches: with ``group_by_length``, leave out the first batches of the first
+                epoch: a run continuing (``--model.init_from``) the exported heads of a run cut
+                short trains on what that run did not reach (its ``batches_seen`` in
+                metrics.json, with the same seed and batch size).
         """
         super().__init__()
         if batch_size < 1 or max_length < 3 or not 0 <= val_fraction < 1:
@@ -66,6 +71,11 @@ class DistilledDataModule(L.LightningDataModule):
         self.val_fraction, self.batch_size, self.max_length = val_fraction, batch_size, max_length
         self.max_rows, self.num_workers, self.seed = max_rows, num_workers, seed
         self.group_by_length = group_by_length
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+        if skip_batches and not group_by_length:
+            raise ValueError("skip_batches needs group_by_length (a seeded batch order)")
+        self.skip_batches = skip_batches
         self.train_set: Any = None
         self.val_set: Any = None
 
@@ -103,7 +113,9 @@ class DistilledDataModule(L.LightningDataModule):
             lengths = np.minimum(pc.list_value_length(ids).to_numpy(), self.max_length)
             return DataLoader(
                 self.train_set,
-                batch_sampler=LengthGroupedBatches(lengths, self.batch_size, self.seed),
+                batch_sampler=LengthGroupedBatches(
+                    lengths, self.batch_size, self.seed, skip=self.skip_batches
+                ),
                 collate_fn=self.collate,
                 num_workers=self.num_workers,
             )

@@ -121,6 +121,9 @@ class ExportHeads(L.Callback):
             "target": module.target_spec.model or "SmolLM2-135M-Instruct",
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,
+            # Where the data order stands: a run continuing these heads (init_from) in epoch 0
+            # skips this many batches (``--data.skip_batches``, same seed and batch size).
+            "batches_done": _batches_done(trainer),
             "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
             "tokens_seen_this_run_rank0": int(self._tokens),
             "response_tokens_seen_this_run_rank0": self._response_tokens,
@@ -161,6 +164,13 @@ class ExportHeads(L.Callback):
         write_json(self.output_dir / "metrics.json", record)
         print(json.dumps({"exported": str(self.output_dir), **record.get("tau", {})}, indent=2))
         return record
+
+
+def _batches_done(trainer: L.Trainer) -> int:
+    """Batches of the data order trained on: those a continued run skipped, and this run's."""
+    datamodule = getattr(trainer, "datamodule", None)
+    skipped = int(getattr(datamodule, "skip_batches", 0) or 0)
+    return skipped + trainer.global_step * trainer.accumulate_grad_batches
 
 
 def response_tokens_total(heads_dir: Path) -> int:

@@ -90,6 +90,7 @@ def test_datagen_then_train_then_speculate_losslessly(
     assert seen == sorted(seen) and seen[0] >= 40
     first = json.loads((out / "metrics.json").read_text())
     assert first["response_tokens_total"] == first["response_tokens_seen_this_run_rank0"]
+    assert first["batches_done"] == 4 * 2  # optimizer steps x accumulate_grad_batches
 
     # A run continued from the exported heads counts the tokens they were trained on before.
     continued = tmp_path / "heads-continued"
@@ -108,6 +109,8 @@ def test_datagen_then_train_then_speculate_losslessly(
                 str(tmp_path / "run-continued"),
                 "--trainer.max_steps",
                 "1",
+                "--data.skip_batches",
+                "1",
                 "--export.output_dir",
                 str(continued),
             ]
@@ -116,6 +119,7 @@ def test_datagen_then_train_then_speculate_losslessly(
     )
     second = json.loads((continued / "metrics.json").read_text())
     assert second["init_from"] == str(out)
+    assert second["batches_done"] == 1 + 1 * 2  # the skipped batch, then this run's
     assert second["response_tokens_before_this_run"] == first["response_tokens_total"]
     assert second["response_tokens_total"] == (
         first["response_tokens_total"] + second["response_tokens_seen_this_run_rank0"]

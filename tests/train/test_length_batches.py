@@ -48,3 +48,27 @@ def test_the_datamodule_batches_by_length_unless_told_not_to(distilled) -> None:
     plain = DistilledDataModule(distilled, batch_size=2, val_fraction=0, group_by_length=False)
     plain.setup()
     assert not isinstance(plain.train_dataloader().batch_sampler, LengthGroupedBatches)
+
+
+def test_skip_continues_the_first_epoch_where_a_run_stopped() -> None:
+    lengths = list(range(100))
+    full = list(LengthGroupedBatches(lengths, 4, seed=0))
+    continued = LengthGroupedBatches(lengths, 4, seed=0, skip=7)
+    assert len(continued) == len(full) - 7
+    assert list(continued) == full[7:]
+    continued.set_epoch(1)  # later epochs are whole
+    whole = LengthGroupedBatches(lengths, 4, seed=0)
+    whole.set_epoch(1)
+    assert len(continued) == len(full) and list(continued) == list(whole)
+    with pytest.raises(ValueError, match="skip must be in"):
+        LengthGroupedBatches(lengths, 4, skip=25)
+
+
+def test_the_datamodule_skips_batches_only_in_a_seeded_order(distilled) -> None:
+    from selfspec.train.datamodule import DistilledDataModule
+
+    module = DistilledDataModule(distilled, batch_size=2, val_fraction=0, skip_batches=1)
+    module.setup()
+    assert len(module.train_dataloader().batch_sampler) == -(-len(module.train_set) // 2) - 1
+    with pytest.raises(ValueError, match="needs group_by_length"):
+        DistilledDataModule(distilled, skip_batches=1, group_by_length=False)
