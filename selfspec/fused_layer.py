@@ -10,8 +10,11 @@ layers. ``FusedLayer`` runs the same computation as three calls:
 
 with the same kernels and ATen ops in the same order, so the bits are the same (tests compare
 with ``torch.equal``). A part runs fused only while its modules are as installed: every linear a
-plain ``KernelLinear``, no forward hooks on any of them (EAGLE-3's taps, the LoRA bank), no
-global module hooks, no gradient wanted. Otherwise the lean body calls the modules, part by
+plain ``KernelLinear``, no forward hooks on any of them, no global module hooks, no gradient
+wanted. For the whole body as one call (``decoder_body``, ``selfspec.lean_body``) two kinds of
+hook are allowed, because that call does their work itself with the same bits: a tap's reader
+hooks on the input norm (``selfspec.reader_hooks``: EAGLE-3) and one delta hook per linear
+layer (``selfspec.linear_deltas``: the LoRA bank). Otherwise the lean body calls the modules, part by
 part, and the result is the same either way. A weight changed in place or replaced (a merged
 adapter) rebuilds the layer's plan from the layers' current kernel weights.
 """

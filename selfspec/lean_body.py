@@ -113,8 +113,8 @@ class LeanBody:
             for layer in self.layers
         ]
         # When every layer runs fused and the cache grows in place, the whole body is one C++
-        # call (``decoder_body``): a 1-token step of SmolLM2-135M then spends ~30x less time
-        # between the kernels. Its plan is remade when any layer's plan is.
+        # call (``decoder_body``; SmolLM2-135M's 1-token body 11.7 -> 10.8 ms, AVX-512, 1
+        # thread). Its plan is remade when any layer's plan is.
         self._body_plan = None
         self._body_plan_layers: list = []
 
@@ -273,10 +273,10 @@ class LeanBody:
         """Every decoder layer in one C++ call. ``caches``: (cache, rows, kept): the rows are
         those of the caches in order (a cache of ``rows`` rows serves the next ``rows`` rows of
         the forward); each cache layer gets S entries written in place and ``kept`` of them
-        counted (S, or fewer: a tree padded to S). The same bits as
-        the layer-by-layer loop. ``readers[l]``: hooks handed the stream entering layer l, as
-        its input norm would have been; the linear layers' delta hooks (the LoRA bank's) have
-        their deltas added in C++. # [B, S, H]"""
+        counted (S, or fewer: a tree padded to S). The same bits as the layer-by-layer loop.
+        ``readers[l]``: hooks handed the stream entering layer l, as its input norm would have
+        been; the linear layers' delta hooks (the LoRA bank's) have their deltas added in C++.
+        # [B, S, H]"""
         attention = self.layers[0].self_attn
         batch, length, _ = hidden.shape
         kv_heads = attention.k_proj.out_features // attention.head_dim
