@@ -14,8 +14,8 @@ plain ``KernelLinear``, no forward hooks on any of them, no global module hooks,
 wanted. For the whole body as one call (``decoder_body``, ``selfspec.lean_body``) two kinds of
 hook are allowed, because that call does their work itself with the same bits: a tap's reader
 hooks on the input norm (``selfspec.reader_hooks``: EAGLE-3) and one delta hook per linear
-layer (``selfspec.linear_deltas``: the LoRA bank). Otherwise the lean body calls the modules, part by
-part, and the result is the same either way. A weight changed in place or replaced (a merged
+layer (``selfspec.linear_deltas``: the LoRA bank). Otherwise the lean body calls the modules,
+part by part, and the result is the same either way. A weight changed in place or replaced (a merged
 adapter) rebuilds the layer's plan from the layers' current kernel weights.
 """
 
