@@ -58,12 +58,19 @@ def verify_features(
             tokens[row, :size] = drafted.tree.tokens
             positions[row, :size] = drafted.buffers.position_ids[0]
             positions[row, size:] = length
+        masks = [  # [1, T, L_b + T] each
+            _tree_mask(drafted, length, width, target.dtype)
+            for (_, drafted), length in zip(requests, lengths, strict=True)
+        ]
     taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
     with contextlib.ExitStack() as stack:
         records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
-        features = _own_caches_forward(target, requests, tokens, positions, width)
+        with record_function("selfspec.verify_forward"):
+            features = target.features_rows(  # over each request's own cache, none copied
+                tokens, positions, [state.cache for state, _ in requests], sizes, masks
+            )
         if features is None:
-            features = _stacked_forward(target, requests, tokens, positions, prefix, width)
+            features = _stacked_forward(target, requests, tokens, positions, masks, prefix)
     tapped = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H] each
     for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
         if state.taps is not None:
@@ -83,46 +90,29 @@ def _tree_mask(drafted: DraftedStep, length: int, width: int, dtype: torch.dtype
     return mask
 
 
-def _own_caches_forward(
-    target: TargetForward,
-    requests: Sequence[tuple[RequestState, DraftedStep]],
-    tokens: torch.Tensor,  # [B, T]
-    positions: torch.Tensor,  # [B, T]
-    width: int,
-) -> torch.Tensor | None:
-    """The forward over each request's own cache, none copied (``TargetForward.features_rows``),
-    each keeping its own tree's entries; None where that path cannot run. # [B, T, H]"""
-    caches = [state.cache for state, _ in requests]
-    kept = [drafted.tree.size for _, drafted in requests]
-    with record_function("selfspec.batch_buffers"):
-        masks = [
-            _tree_mask(drafted, state.committed_len, width, target.dtype)
-            for state, drafted in requests
-        ]
-    with record_function("selfspec.verify_forward"):
-        return target.features_rows(tokens, positions, caches, kept, masks)
-
-
 def _stacked_forward(
     target: TargetForward,
     requests: Sequence[tuple[RequestState, DraftedStep]],
     tokens: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
+    masks: Sequence[torch.Tensor],  # [1, T, L_b + T] each, from _tree_mask
     prefix: int,
-    width: int,
 ) -> torch.Tensor:
-    """The forward over the requests' caches stacked into one padded batch, each request's
-    tree entries appended to its own cache afterwards. # [B, T, H]"""
-    batch, device, dtype = len(requests), target.device, target.dtype
+    """The forward over the requests' caches stacked into one padded batch (each padded to
+    ``prefix`` entries), each request's tree entries appended to its own cache afterwards.
+    # [B, T, H]"""
+    (batch, width), dtype = tokens.shape, target.dtype
     with record_function("selfspec.batch_buffers"):
         mask = torch.full(  # [B, 1, T, L + T]
-            (batch, 1, width, prefix + width), torch.finfo(dtype).min, dtype=dtype, device=device
+            (batch, 1, width, prefix + width),
+            torch.finfo(dtype).min,
+            dtype=dtype,
+            device=target.device,
         )
-        for row, (state, drafted) in enumerate(requests):
-            length, size = state.committed_len, drafted.tree.size
-            own = _tree_mask(drafted, length, width, dtype)[0]  # [T, L_b + T]
-            mask[row, 0, :, :length] = own[:, :length]
-            mask[row, 0, :, prefix : prefix + width] = own[:, length:]
+        for row, ((state, _), own) in enumerate(zip(requests, masks, strict=True)):
+            length = state.committed_len
+            mask[row, 0, :, :length] = own[0, :, :length]
+            mask[row, 0, :, prefix : prefix + width] = own[0, :, length:]
         stacked = _stacked_cache(target, [state.cache for state, _ in requests], prefix)
     with record_function("selfspec.verify_forward"):
         features = target.features(tokens, positions, stacked, mask)  # [B, T, H]

@@ -82,15 +82,6 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
-def _not_hooked(module: nn.Module) -> bool:
-    return not _hooked(module)
-
-
-def _delta_or_none(linear: nn.Module) -> bool:
-    """Whether ``linear`` has no hook but, at most, one delta hook."""
-    return delta_hook(linear) is not False
-
-
 def _only_readers(norm: nn.Module) -> bool:
     """Whether ``norm``'s hooks are all reader pre-hooks (a tap on the stream it normalises)."""
     hooks = reader_hooks(norm)
@@ -116,6 +107,7 @@ class FusedLayer:
         self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn)  # besides linears
         self._plan = None
         self._plan_key: tuple | None = None
+        self._delta_hooks: list = [None] * len(self._linears)
         # Read every forward, so kept flat: (a module's children, name, the child planned with);
         # (a module's parameters, name) for the tensors the plan was made from.
         self._children = [
@@ -151,12 +143,19 @@ class FusedLayer:
             or self._modules_replaced()
         ):
             return NOT_FUSED
-        linear_ok = _delta_or_none if whole_body else _not_hooked
-        norm_ok = _only_readers if whole_body else _not_hooked
+        if whole_body:
+            # Each linear's delta hook (None: no hook; False: another hook), read once here and
+            # used by ``deltas`` in the same forward.
+            self._delta_hooks = [delta_hook(linear) for linear in self._linears]
+            linear_ok = [hook is not False for hook in self._delta_hooks]
+            norm_ok = _only_readers(self._norms[0])
+        else:
+            linear_ok = [not _hooked(linear) for linear in self._linears]
+            norm_ok = not _hooked(self._norms[0])
         parts = FusedParts(
-            attention_inputs=norm_ok(self._norms[0]) and all(map(linear_ok, self._linears[:3])),
-            attention_output=linear_ok(self._linears[3]),
-            mlp=not _hooked(*self._mlp_modules) and all(map(linear_ok, self._linears[4:])),
+            attention_inputs=norm_ok and all(linear_ok[:3]),
+            attention_output=linear_ok[3],
+            mlp=not _hooked(*self._mlp_modules) and all(linear_ok[4:]),
         )
         if parts != NOT_FUSED:
             self._refresh_plan()
@@ -164,12 +163,9 @@ class FusedLayer:
 
     def deltas(self, batch: int) -> list[Delta]:
         """Each linear layer's delta for the next forward of ``batch`` rows, in plan order
-        (``selfspec.linear_deltas``; None: nothing to add)."""
-        out = []
-        for linear in self._linears:
-            hook = delta_hook(linear)
-            out.append(None if hook is None else hook.fused_delta(batch))
-        return out
+        (``selfspec.linear_deltas``; None: nothing to add). Current after
+        ``parts(..., whole_body=True)`` has found every part fusable."""
+        return [None if hook is None else hook.fused_delta(batch) for hook in self._delta_hooks]
 
     @property
     def plan(self):
