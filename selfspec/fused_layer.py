@@ -11,12 +11,13 @@ layers. ``FusedLayer`` runs the same computation as three calls:
 with the same kernels and ATen ops in the same order, so the bits are the same (tests compare
 with ``torch.equal``). A part runs fused only while its modules are as installed: every linear a
 plain ``KernelLinear``, no forward hooks on any of them, no global module hooks, no gradient
-wanted. For the whole body as one call (``decoder_body``, ``selfspec.lean_body``) two kinds of
-hook are allowed, because that call does their work itself with the same bits: a tap's reader
-hooks on the input norm (``selfspec.reader_hooks``: EAGLE-3) and one delta hook per linear
-layer (``selfspec.linear_deltas``: the LoRA bank). Otherwise the lean body calls the modules,
-part by part, and the result is the same either way. A weight changed in place or replaced (a merged
-adapter) rebuilds the layer's plan from the layers' current kernel weights.
+wanted. For the whole body as one call (``decoder_body``, ``selfspec.lean_body``; its check is
+``selfspec.fused_body``) two kinds of hook are allowed, because that call does their work
+itself with the same bits: a tap's reader hooks on the input norm (``selfspec.reader_hooks``:
+EAGLE-3) and one delta hook per linear layer (``selfspec.linear_deltas``: the LoRA bank).
+Otherwise the lean body calls the modules, part by part, and the result is the same either way.
+A weight changed in place or replaced (a merged adapter) rebuilds the layer's plan from the
+layers' current kernel weights.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from torch.nn.modules import module as torch_module
 
 from selfspec.kernels import extension
 from selfspec.kernels.modules import KernelLinear
-from selfspec.linear_deltas import Delta, delta_hook
-from selfspec.reader_hooks import reader_hooks
 
 FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
 SILU_MODULES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu, both)
@@ -82,12 +81,6 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
-def _only_readers(norm: nn.Module) -> bool:
-    """Whether ``norm``'s hooks are all reader pre-hooks (a tap on the stream it normalises)."""
-    hooks = reader_hooks(norm)
-    return hooks is not None and not hooks[1]
-
-
 def _tensor_key(tensor: torch.Tensor | None) -> tuple[int, int] | None:
     return None if tensor is None else (tensor.data_ptr(), tensor._version)
 
@@ -102,38 +95,35 @@ class FusedLayer:
             raise ValueError(f"this decoder layer can't run fused: {reason}")
         self.layer = layer
         attention, mlp = layer.self_attn, layer.mlp
-        self._linears = _linears(attention, mlp)
-        self._norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        self._mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn)  # besides linears
+        self.linears = _linears(attention, mlp)
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn)  # besides linears
         self._plan = None
         self._plan_key: tuple | None = None
-        self._delta_hooks: list = [None] * len(self._linears)
         # Read every forward, so kept flat: (a module's children, name, the child planned with);
         # (a module's parameters, name) for the tensors the plan was made from.
-        self._children = [
+        self.children = [
             (layer._modules, "self_attn", attention),
             (layer._modules, "mlp", mlp),
-            (layer._modules, "input_layernorm", self._norms[0]),
-            (layer._modules, "post_attention_layernorm", self._norms[1]),
+            (layer._modules, "input_layernorm", self.norms[0]),
+            (layer._modules, "post_attention_layernorm", self.norms[1]),
         ] + [
             (owner._modules, name, linear)
             for owner, name, linear in zip(
-                (attention,) * 4 + (mlp,) * 3, _LINEARS, self._linears, strict=True
+                (attention,) * 4 + (mlp,) * 3, _LINEARS, self.linears, strict=True
             )
         ]
-        self._planned_tensors = [
+        self.planned_tensors = [
             (module._parameters, name)
-            for module in (*self._linears, *self._norms)
+            for module in (*self.linears, *self.norms)
             for name in ("weight", "bias")
             if name in module._parameters
         ]
 
-    def parts(self, hidden: torch.Tensor, whole_body: bool = False) -> FusedParts:
+    def parts(self, hidden: torch.Tensor) -> FusedParts:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
-        brought up to date for them. ``whole_body``: for ``decoder_body``, which hands a tap's
-        reader hooks on the input norm (``selfspec.reader_hooks``) the layer's input itself and
-        adds the deltas of delta hooks on the linear layers (``selfspec.linear_deltas``,
-        ``deltas``), so neither keeps a part from running fused."""
+        brought up to date for them. (The whole body as one call has its own check,
+        ``selfspec.fused_body``, which also allows reader and delta hooks.)"""
         if (
             hidden.dtype != torch.float32
             or hidden.device.type != "cpu"
@@ -143,29 +133,15 @@ class FusedLayer:
             or self._modules_replaced()
         ):
             return NOT_FUSED
-        if whole_body:
-            # Each linear's delta hook (None: no hook; False: another hook), read once here and
-            # used by ``deltas`` in the same forward.
-            self._delta_hooks = [delta_hook(linear) for linear in self._linears]
-            linear_ok = [hook is not False for hook in self._delta_hooks]
-            norm_ok = _only_readers(self._norms[0])
-        else:
-            linear_ok = [not _hooked(linear) for linear in self._linears]
-            norm_ok = not _hooked(self._norms[0])
+        linear_ok = [not _hooked(linear) for linear in self.linears]
         parts = FusedParts(
-            attention_inputs=norm_ok and all(linear_ok[:3]),
+            attention_inputs=not _hooked(self.norms[0]) and all(linear_ok[:3]),
             attention_output=linear_ok[3],
-            mlp=not _hooked(*self._mlp_modules) and all(linear_ok[4:]),
+            mlp=not _hooked(*self.mlp_modules) and all(linear_ok[4:]),
         )
         if parts != NOT_FUSED:
-            self._refresh_plan()
+            self.refresh_plan()
         return parts
-
-    def deltas(self, batch: int) -> list[Delta]:
-        """Each linear layer's delta for the next forward of ``batch`` rows, in plan order
-        (``selfspec.linear_deltas``; None: nothing to add). Current after
-        ``parts(..., whole_body=True)`` has found every part fusable."""
-        return [None if hook is None else hook.fused_delta(batch) for hook in self._delta_hooks]
 
     @property
     def plan(self):
@@ -174,11 +150,11 @@ class FusedLayer:
 
     def _modules_replaced(self) -> bool:
         """Whether a module was swapped since (peft wraps a linear layer in its own)."""
-        return any(children.get(name) is not module for children, name, module in self._children)
+        return any(children.get(name) is not module for children, name, module in self.children)
 
-    def _refresh_plan(self) -> None:
+    def refresh_plan(self) -> None:
         """Make the C++ plan again if a weight changed since (in place or replaced)."""
-        key = tuple(_tensor_key(params[name]) for params, name in self._planned_tensors)
+        key = tuple(_tensor_key(params[name]) for params, name in self.planned_tensors)
         if key != self._plan_key:
             self._plan = self._make_plan()
             self._plan_key = key
@@ -186,7 +162,7 @@ class FusedLayer:
     def _make_plan(self):
         module = extension.load()
         matrices = []
-        for linear in self._linears:
+        for linear in self.linears:
             weight = linear.kernel_weight()
             bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
             matrices.append(
@@ -202,13 +178,13 @@ class FusedLayer:
         attention = self.layer.self_attn
         head_dim = attention.head_dim
         return module.DecoderLayerPlan(
-            self._norms[0].weight.detach(),
-            self._norms[0].variance_epsilon,
-            self._norms[1].weight.detach(),
-            self._norms[1].variance_epsilon,
+            self.norms[0].weight.detach(),
+            self.norms[0].variance_epsilon,
+            self.norms[1].weight.detach(),
+            self.norms[1].variance_epsilon,
             matrices,
-            self._linears[0].out_features // head_dim,
-            self._linears[1].out_features // head_dim,
+            self.linears[0].out_features // head_dim,
+            self.linears[1].out_features // head_dim,
             head_dim,
             attention.scaling,
         )

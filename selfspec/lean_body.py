@@ -40,7 +40,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import Cache
 
-from selfspec.fused_layer import ALL_FUSED, NOT_FUSED, FusedLayer, unfusable_reason
+from selfspec.fused_body import FusedBody, WholeBody
+from selfspec.fused_layer import NOT_FUSED, FusedLayer, unfusable_reason
 from selfspec.growing_cache import GrowingLayer
 from selfspec.kernels import extension
 from selfspec.kernels import ops as kernels
@@ -114,9 +115,12 @@ class LeanBody:
         ]
         # When every layer runs fused and the cache grows in place, the whole body is one C++
         # call (``decoder_body``; SmolLM2-135M's 1-token body 11.7 -> 10.8 ms, AVX-512, 1
-        # thread). Its plan is remade when any layer's plan is.
-        self._body_plan = None
-        self._body_plan_layers: list = []
+        # thread), asked for in one flat check (``selfspec.fused_body``).
+        self.fused_body = (
+            FusedBody(self.fused_layers)  # type: ignore[arg-type]  # none is None here
+            if self.fused_layers and all(fast is not None for fast in self.fused_layers)
+            else None
+        )
 
     def covers(
         self,
@@ -159,10 +163,9 @@ class LeanBody:
         isa = extension.requested_isa() if fused else "auto"
         whole = self._whole_body_plan(hidden, [cache]) if fused else None
         if whole is not None:
-            plan, readers = whole
             masks = [None] * batch if fixed_mask is None else list(fixed_mask.split(1))
             caches = [(cache, batch, length)]
-            hidden = self._whole_body(plan, readers, hidden, cos, signed_sin, caches, masks, isa)
+            hidden = self._whole_body(whole, hidden, cos, signed_sin, caches, masks, isa)
             return norm(body.norm, hidden)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
@@ -217,11 +220,9 @@ class LeanBody:
         if whole is None:
             return None
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
-        plan, readers = whole
         rows = [(cache, 1, count) for cache, count in zip(caches, kept, strict=True)]
         hidden = self._whole_body(
-            plan,
-            readers,
+            whole,
             hidden,
             cos,
             _sign_folded(sin),
@@ -231,11 +232,11 @@ class LeanBody:
         )
         return _fused_norm(body.norm, hidden)
 
-    def _whole_body_plan(self, hidden: torch.Tensor, caches: Sequence[Cache]):
-        """(the C++ plan of all layers, {layer: its input norm's reader hooks}) when every part
-        of every layer may run fused in this forward (``FusedLayer.parts``; a tap's reader hooks
-        on an input norm and delta hooks on linear layers allowed) and every cache layer grows
-        in place; otherwise None."""
+    def _whole_body_plan(self, hidden: torch.Tensor, caches: Sequence[Cache]) -> WholeBody | None:
+        """What the one-call body needs (``selfspec.fused_body``) when every part of every
+        layer may run fused in this forward and every cache layer grows in place; else None."""
+        if self.fused_body is None:
+            return None
         for cache in caches:
             layers = getattr(cache, "layers", None)  # not every cache has them (datagen's slots)
             if (
@@ -244,25 +245,11 @@ class LeanBody:
                 or any(type(layer) is not GrowingLayer for layer in layers)
             ):
                 return None
-        plans, readers = [], {}
-        for index, fast in enumerate(self.fused_layers):
-            if fast is None or fast.parts(hidden, whole_body=True) != ALL_FUSED:
-                return None
-            plans.append(fast.plan)
-            before, _ = reader_hooks(self.layers[index].input_layernorm)  # parts: no others
-            if before:
-                readers[index] = before
-        if len(plans) != len(self._body_plan_layers) or any(
-            a is not b for a, b in zip(plans, self._body_plan_layers, strict=True)
-        ):
-            self._body_plan = extension.load().BodyPlan(plans)
-            self._body_plan_layers = plans  # held, so a plan's identity is never reused
-        return self._body_plan, readers
+        return self.fused_body.check(hidden)
 
     def _whole_body(
         self,
-        plan,
-        readers: dict[int, list],
+        whole: WholeBody,
         hidden: torch.Tensor,  # [B, S, H]
         cos: torch.Tensor,  # [B, S, D]
         signed_sin: torch.Tensor,  # [B, S, D]
@@ -290,16 +277,15 @@ class LeanBody:
                 raise ValueError("a cache's layers hold different lengths")
             starts += [reserved[0][2]] * rows
             for index, (keys, values, _) in enumerate(reserved):
-                key_rows[index] += list(keys.split(1))
-                value_rows[index] += list(values.split(1))
+                key_rows[index] += [keys] if rows == 1 else list(keys.split(1))
+                value_rows[index] += [values] if rows == 1 else list(values.split(1))
         if len(starts) != batch:
             raise ValueError(f"the caches hold {len(starts)} rows, the forward {batch}")
+        readers = whole.readers
         captured = list(readers)
-        deltas = [delta for fast in self.fused_layers for delta in fast.deltas(batch)]
-        if not any(deltas):
-            deltas = []
+        deltas = whole.deltas(batch)
         hidden, *entering = extension.load().decoder_body(
-            plan,
+            whole.plan,
             hidden,
             cos,
             signed_sin,

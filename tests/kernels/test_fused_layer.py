@@ -46,9 +46,9 @@ def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tenso
     """Prefill 7 tokens (B = 2, causal), then a 5-node tree step over the cache with a mask.
     Returns the hidden states of both calls and the cache's keys and values. ``growing``: a
     cache that grows in place, with which a fully fused body runs as one call."""
-    saved = body.fused_layers
+    saved, saved_body = body.fused_layers, body.fused_body
     if not fused:
-        body.fused_layers = [None] * len(saved)
+        body.fused_layers, body.fused_body = [None] * len(saved), None
     try:
         generator = torch.Generator().manual_seed(0)
         cache = growing_cache(body.config) if growing else DynamicCache()
@@ -65,7 +65,7 @@ def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tenso
             states += [layer.keys.clone(), layer.values.clone()]
         return states
     finally:
-        body.fused_layers = saved
+        body.fused_layers, body.fused_body = saved, saved_body
 
 
 @pytest.mark.parametrize("mode", ["float32", "int8", "int4"])
@@ -113,14 +113,17 @@ def test_the_whole_body_runs_as_one_call_only_when_every_part_may() -> None:
         hooked = _run(body, fused=True, growing=True)
     finally:
         handle.remove()
-    plan, readers = body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)])
-    assert readers == {}
+    whole = body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)])
+    assert whole.readers == {} and whole.delta_hooks is None
+    plan = whole.plan
     assert body._whole_body_plan(torch.zeros(1, 1, 32), [DynamicCache()]) is None
     for a, b in zip(hooked, expected, strict=True):
         assert torch.equal(a, b)
     with torch.no_grad():  # a changed weight: a new plan for its layer, so for the body
         layer.mlp.down_proj.weight.mul_(2.0)
-    assert body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)])[0] is not plan
+    assert (
+        body._whole_body_plan(torch.zeros(1, 1, 32), [growing_cache(body.config)]).plan is not plan
+    )
     changed, modules = _run(body, fused=True, growing=True), _run(body, fused=False, growing=True)
     for a, b in zip(changed, modules, strict=True):
         assert torch.equal(a, b)
