@@ -39,6 +39,7 @@ from selfspec.tree import (
     Tree,
     TreeBuffers,
     TreeSpec,
+    prune,
     tree_buffers,
 )
 from selfspec.verify import verify_greedy, verify_sampling
@@ -180,6 +181,10 @@ class DraftedStep:
     drafted: bool = True
     """False: the root alone because this step did not speculate (``draft(speculate=False)``);
     its conclusion then defers the draft state's advance to the next step that drafts."""
+    sizer: TreeSizer | None = None
+    """Set when the tree's size is left to the caller (``draft(joint=True)``): how this
+    request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
+    drafting_seconds: float = 0.0
 
 
 MAX_DEFERRED_TOKENS = 64
@@ -410,12 +415,15 @@ class SpeculativeGenerator:
         config: GenerationConfig,
         batch_size: int = 1,
         speculate: bool = True,
+        joint: bool = False,
     ) -> DraftedStep:
         """The tree this step verifies (the root alone without speculation), with its buffers.
         batch_size: requests whose trees the verification forward will hold (adaptive sizing
         prices this tree by its share of that forward). speculate False: the root alone for
         this step even in a speculating request (the draft state still advances in
-        ``conclude``, as after a step whose drafts were all rejected)."""
+        ``conclude``, as after a step whose drafts were all rejected). joint: an adaptive tree
+        keeps every node it drafted (up to its budget) and the step carries its sizer, so the
+        caller sizes the batch's trees together (``sizing.joint_keep``, then ``resize``)."""
         if config.speculate and speculate:
             self._catch_up(state)
             sizer = (
@@ -429,21 +437,42 @@ class SpeculativeGenerator:
                 if self.cost_curve is not None
                 else None
             )
+            spec = self.tree_for(config)
+            deferred = joint and sizer is not None and getattr(spec, "adaptive", False)
             plan = DraftPlan(
-                tree=self.tree_for(config),
+                tree=spec,
                 sampling=config.draft_sampling,
                 params=config.sampling,
                 sizer=sizer,
+                defer_keep=deferred,
             )
+            started = time.perf_counter()
             with record_function("selfspec.draft"):
                 tree = self.drafter.draft(
                     state.draft_state, state.root_token, plan, state.generator
                 )
+            drafting = time.perf_counter() - started
         else:
-            tree = _root_only(state.root_token, self.target.device)
+            tree, deferred, drafting = _root_only(state.root_token, self.target.device), False, 0.0
         with record_function("selfspec.tree_buffers"):
             buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
-        return DraftedStep(tree, buffers, drafted=config.speculate and speculate)
+        return DraftedStep(
+            tree,
+            buffers,
+            drafted=config.speculate and speculate,
+            sizer=sizer if deferred else None,
+            drafting_seconds=drafting,
+        )
+
+    def resize(self, state: RequestState, drafted: DraftedStep, count: int) -> DraftedStep:
+        """``drafted`` keeping its ``count`` best drafted nodes (``tree.prune``), with its
+        buffers remade; itself when it has no more."""
+        tree = prune(drafted.tree, count)
+        if tree is drafted.tree:
+            return drafted
+        with record_function("selfspec.tree_buffers"):
+            buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
+        return replace(drafted, tree=tree, buffers=buffers)
 
     def _catch_up(self, state: RequestState) -> None:
         """Advance the draft state over the steps committed without drafting, in one call: the
@@ -671,13 +700,20 @@ class GenerationStream:
             committed = self._owner.verify(state, self._config, drafted)
         return self._after_step(state, committed)
 
-    def draft(self, batch_size: int = 1, speculate: bool = True) -> DraftedStep:
+    def draft(
+        self, batch_size: int = 1, speculate: bool = True, joint: bool = False
+    ) -> DraftedStep:
         """The next step's tree; its forward is the caller's, then ``conclude``. batch_size: the
         requests that forward will verify together (this one included); speculate False: no
-        drafts this step (the server's goodput gate), the output unchanged."""
+        drafts this step (the server's goodput gate), the output unchanged; joint: the caller
+        sizes the batch's adaptive trees together (``resize``)."""
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
-            return self._owner.draft(state, self._config, batch_size, speculate)
+            return self._owner.draft(state, self._config, batch_size, speculate, joint)
+
+    def resize(self, drafted: DraftedStep, count: int) -> DraftedStep:
+        """``drafted`` keeping its ``count`` best drafted nodes (before its forward)."""
+        return self._owner.resize(self._decoding_state(), drafted, count)
 
     def conclude(
         self, drafted: DraftedStep, features: torch.Tensor, logits: torch.Tensor | None = None

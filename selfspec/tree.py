@@ -157,6 +157,37 @@ class Tree:
         return kids
 
 
+def prune(tree: Tree, count: int) -> Tree:
+    """The root and the ``count`` best-scored drafted nodes of ``tree`` (ties: creation order),
+    re-indexed; ``tree`` itself when it has no more. A kept node's parent is always kept (a
+    child never outscores its parent, and parents come first). A sampled tree that loses
+    nodes keeps them for their values, so it is verified with the point-mass rule (see
+    ``DraftSampling``); its draft distribution is dropped."""
+    if tree.scores is None:
+        raise ValueError("only a drafted tree (with scores) can be pruned")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    if count >= tree.size - 1:
+        return tree
+    scores = tree.scores.tolist()
+    ranked = sorted(range(1, tree.size), key=lambda node: -scores[node])  # stable: ties by index
+    keep = [0, *sorted(ranked[:count])]
+    new_index = {old: new for new, old in enumerate(keep)}
+    parents = [new_index[parent] if parent >= 0 else -1 for parent in tree.parents[keep].tolist()]
+    index = torch.tensor(keep, dtype=torch.long, device=tree.tokens.device)
+    return Tree(
+        tokens=tree.tokens[index],
+        parents=torch.tensor(parents, dtype=torch.long, device=tree.tokens.device),
+        depths=tree.depths[index],
+        draw_ranks=tree.draw_ranks[index],
+        expanded_row=tree.expanded_row[index],
+        draft_probs=tree.draft_probs[:0],
+        draws=tree.draws,
+        sampling=DraftSampling.TOP_K,
+        scores=tree.scores[index],
+    )
+
+
 @dataclass
 class TreeBuffers:
     """What one verification forward needs, built from a tree and the committed length."""

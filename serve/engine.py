@@ -37,7 +37,8 @@ from selfspec.adapters.errors import StoreFull
 from selfspec.adapters.store import AdapterStore, LoraBackend
 from selfspec.batched_verify import verify_features
 from selfspec.cost_curve import elapsed_seconds
-from selfspec.generation import GenerationResult, GenerationStream, StepOutput
+from selfspec.drafting.sizing import JointCandidate, joint_keep
+from selfspec.generation import DraftedStep, GenerationResult, GenerationStream, StepOutput
 from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.fair_queue import FairQueue
@@ -407,17 +408,22 @@ class Engine:
         Should the shared forward fail, each drafted tree is verified alone, so one bad request
         cannot fail the others."""
         left, drafted = [], []
+        together = len(jobs) > 1
         for job in jobs:
             try:
-                # Trees are sized for the forward they will share (adaptive trees only).
-                own = speculate or not job.stream.trees_may_vary  # seeded sampling: always
-                step = job.stream.draft(batch_size=len(jobs), speculate=own)
+                # Adaptive trees that may vary are sized together once all are drafted.
+                may_vary = job.stream.trees_may_vary
+                own = speculate or not may_vary  # seeded sampling: always
+                step = job.stream.draft(
+                    batch_size=len(jobs), speculate=own, joint=together and may_vary
+                )
                 drafted.append((job, step))
             except Exception as error:
                 self._fail(job, error)
                 left.append(job)
         if not drafted:
             return left
+        drafted = self._sized_together(drafted, left)
         if len(drafted) == 1:
             job, step = drafted[0]
             self.metrics.batch_size.observe(1)
@@ -450,6 +456,34 @@ class Engine:
             if not self._guarded(job, partial(job.stream.conclude, step, own, own_logits)):
                 left.append(job)
         return left
+
+    def _sized_together(
+        self, drafted: list[tuple[Job, DraftedStep]], left: list[Job]
+    ) -> list[tuple[Job, DraftedStep]]:
+        """The round's adaptive trees cut to one node count chosen for the whole forward
+        (``joint_keep``: rows are padded to the largest tree, so that count is what the batch
+        pays for); other trees as drafted. A job whose resize fails leaves (in ``left``)."""
+        sized = [(job, step) for job, step in drafted if step.sizer is not None]
+        if not sized:
+            return drafted
+        fixed = max((s.tree.size for _, s in drafted if s.sizer is None), default=1)
+        candidates = [
+            JointCandidate(
+                step.sizer,
+                step.tree.scores[1:].sort(descending=True).values.tolist(),
+                step.drafting_seconds,
+            )
+            for _, step in sized
+        ]
+        count = joint_keep(candidates, batch_size=len(drafted), min_tokens=fixed)
+        out = []
+        for job, step in drafted:
+            try:
+                out.append((job, job.stream.resize(step, count) if step.sizer else step))
+            except Exception as error:
+                self._fail(job, error)
+                left.append(job)
+        return out
 
     def _guarded(self, job: Job, action: Callable[[], StepOutput]) -> bool:
         """Run one piece of `job`'s decoding and deliver its output; False once it has left

@@ -11,7 +11,7 @@ from tiny_models import make_tiny_model
 
 import selfspec.cost_curve as cost_curve_module
 from selfspec.cost_curve import CostCurve, cached_cost_curve
-from selfspec.drafting.sizing import TreeSizer
+from selfspec.drafting.sizing import JointCandidate, TreeSizer, joint_keep
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree
 
@@ -134,3 +134,30 @@ def test_sizer_prices_a_tree_by_its_share_of_the_batch_forward() -> None:
     assert TreeSizer(gentle, batch_size=4).keep(confident, 0.0) == 2
     with pytest.raises(ValueError, match="batch_size"):
         TreeSizer(curve, batch_size=0)
+
+
+def test_joint_keep_sizes_a_batch_for_its_padded_forward() -> None:
+    """One node count for every tree of a batch: rows are padded to the largest tree, so the
+    forward costs batch x (count + 1) rows whatever each request would have kept alone."""
+    steep = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.020, 0.040, 0.080))
+    weak, confident = _log([0.1]), _log([0.9, 0.8])
+
+    def batch(*scores: list[float], curve: CostCurve = steep) -> list[JointCandidate]:
+        return [JointCandidate(TreeSizer(curve), s, drafting_seconds=0.0) for s in scores]
+
+    # 4 rows: 4 tokens per 10 ms (400/s); one node each: 5.2 tokens per 20 ms (260/s).
+    assert joint_keep(batch(weak, weak, weak, confident), batch_size=4) == 0
+    # A tree that is not resized (3 tokens) pads every row to 3 anyway: 2 nodes are free.
+    assert joint_keep(batch(weak, weak, weak, confident), batch_size=4, min_tokens=3) == 2
+    # Where a few rows cost what one does, the weak request keeps its nodes too: they ride
+    # along in rows the confident one pays for (2 + 0.9 + 0.8 + 0.5 + 0.1 + 0.05 tokens).
+    gentle = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
+    assert joint_keep(batch(_log([0.1, 0.05]), _log([0.9, 0.8, 0.5]), curve=gentle), 2) == 3
+    # Alone, joint sizing is the request's own choice.
+    for scores in (weak, confident, _log([0.9, 0.8, 0.5])):
+        alone = joint_keep(batch(scores, curve=gentle), batch_size=1)
+        assert alone == TreeSizer(gentle).keep(scores, drafting_seconds=0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        joint_keep([], batch_size=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        joint_keep(batch(weak, weak), batch_size=1)

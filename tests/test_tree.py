@@ -7,6 +7,8 @@ running that node's root-to-node path alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from oracle_drafter import tree_from_parents
@@ -17,8 +19,10 @@ from selfspec.drafting.grow import DraftPlan, grow_tree
 from selfspec.target_forward import TargetForward
 from selfspec.tree import (
     DEFAULT_STATIC_TREE,
+    DraftSampling,
     DynamicTree,
     StaticTree,
+    prune,
     tree_buffers,
 )
 
@@ -181,3 +185,31 @@ def test_tree_forward_matches_each_path_alone(arch: str, attn: str) -> None:
                         assert diff < 1e-4, f"{arch}/{attn}: node {node} differs by {diff}"
                         checked.add(node)
             assert checked == set(range(tree.size))
+
+
+def test_prune_keeps_the_best_scored_nodes_with_their_parents() -> None:
+    """The root and the best ``count`` drafted nodes by cumulative log-prob (ties: creation
+    order), re-indexed; a pruned sampled tree falls back to the point-mass rule."""
+    # Scores never rise along a path: node 7 (under 4 under 1) scores below its ancestors.
+    scores = torch.tensor([0.0, -0.1, -0.5, -2.0, -0.3, -1.0, -0.5, -0.4, -3.0])
+    sampled = replace(
+        tree_from_parents(PARENTS, TOKENS, DraftSampling.WITHOUT_REPLACEMENT),
+        draft_probs=torch.full((5, VOCAB_SIZE), 1.0 / VOCAB_SIZE),
+        scores=scores,
+    )
+    pruned = prune(sampled, 4)  # nodes 1 (-0.1), 4 (-0.3), 7 (-0.4), then 2 before 6 (tie -0.5)
+    assert pruned.tokens.tolist() == [TOKENS[n] for n in (0, 1, 2, 4, 7)]
+    assert pruned.parents.tolist() == [-1, 0, 0, 1, 3]  # 4's parent 1 -> 1; 7's parent 4 -> 3
+    assert pruned.depths.tolist() == [0, 1, 1, 2, 3]
+    assert pruned.scores.tolist() == pytest.approx([0.0, -0.1, -0.5, -0.3, -0.4])
+    assert pruned.sampling is DraftSampling.TOP_K and pruned.draft_probs.shape == (0, VOCAB_SIZE)
+    assert torch.equal(pruned.draws, sampled.draws)
+    kept = (0, 1, 2, 4, 7)
+    assert pruned.draw_ranks.tolist() == [sampled.draw_ranks[n].item() for n in kept]
+    assert pruned.expanded_row.tolist() == [sampled.expanded_row[n].item() for n in kept]
+    assert prune(sampled, 0).tokens.tolist() == [TOKENS[0]]
+    assert prune(sampled, 8) is sampled and prune(sampled, 20) is sampled
+    with pytest.raises(ValueError, match="count"):
+        prune(sampled, -1)
+    with pytest.raises(ValueError, match="scores"):
+        prune(replace(sampled, scores=None), 2)

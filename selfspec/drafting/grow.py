@@ -32,6 +32,10 @@ class DraftPlan:
     params: SamplingParams = SamplingParams()
     sizer: TreeSizer | None = None
     """Dynamic trees only: chooses depth and size per step; None keeps ``tree.budget`` nodes."""
+    defer_keep: bool = False
+    """With a sizer: it chooses the depth, but the tree keeps its best ``tree.budget`` nodes and
+    the caller chooses how many to verify (``sizing.joint_keep`` for a batch, then
+    ``tree.prune``)."""
 
 
 @dataclass
@@ -146,7 +150,7 @@ def grow_dynamic(
     # keep creation order, so every kept node's parent is kept too.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
     budget = spec.budget
-    if sizer is not None:
+    if sizer is not None and not plan.defer_keep:
         scores = [tree.scores[n] for n in ranked[:budget]]
         budget = sizer.keep(scores, time.perf_counter() - started)
     keep = [0, *sorted(ranked[:budget])]

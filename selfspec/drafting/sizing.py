@@ -14,11 +14,19 @@ nodes is plain decoding); ``grow_deeper`` drafts another depth only if what it c
 the frontier's probability mass) is worth its time at the rate already reachable. EAGLE-2 takes a
 fixed size from a short list tuned by timing; this chooses per step, from this machine's curve,
 and prices a tree by its share of the batch's forward when requests are verified together.
+
+When requests are verified together their trees are padded to the largest, so the forward costs
+B x the largest tree whatever the others keep. ``joint_keep`` therefore sizes a batch's trees
+together, after all of them are drafted: one node count for every request, the one that
+maximises the batch's expected tokens per second (a request whose own choice would have been
+smaller gets the padding's rows for free; one whose would have been larger is cut back to what
+the batch can afford).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from selfspec.cost_curve import CostCurve
@@ -72,8 +80,8 @@ class TreeSizer:
         scores: every drafted node's cumulative log-prob; frontier: those to be expanded."""
         ranked = sorted(scores, reverse=True)[: spec.budget]
         size, rate = self._best(ranked, drafting_seconds)
-        gain = 1.0 + sum(self._accept(s) for s in ranked[:size])
-        added = sum(self._accept(s) for s in frontier)  # children never outweigh their parent
+        gain = 1.0 + sum(self.accept(s) for s in ranked[:size])
+        added = sum(self.accept(s) for s in frontier)  # children never outweigh their parent
         new_nodes = min(len(frontier) * spec.top_k, spec.budget - size)
         if new_nodes <= 0:
             return False
@@ -87,7 +95,9 @@ class TreeSizer:
         """The step's time after drafting, with a tree of ``tokens`` tokens root included."""
         return self.verify_seconds(tokens) + self.overhead_seconds
 
-    def _accept(self, score: float) -> float:
+    def accept(self, score: float) -> float:
+        """The calibrated probability that a node of cumulative draft log-prob ``score`` is
+        accepted."""
         return min(1.0, self.calibration * math.exp(score))
 
     def _best(self, scores: list[float], drafting_seconds: float) -> tuple[int, float]:
@@ -95,8 +105,47 @@ class TreeSizer:
         best_size, gain = 0, 1.0
         best_rate = gain / (drafting_seconds + self._step_seconds(1))
         for size, score in enumerate(scores, start=1):
-            gain += self._accept(score)
+            gain += self.accept(score)
             rate = gain / (drafting_seconds + self._step_seconds(size + 1))
             if rate > best_rate:
                 best_size, best_rate = size, rate
         return best_size, best_rate
+
+
+@dataclass(frozen=True)
+class JointCandidate:
+    """One request's part in a batch's joint tree sizing."""
+
+    sizer: TreeSizer
+    scores: Sequence[float]
+    """Cumulative draft log-probs of its drafted nodes, best first."""
+    drafting_seconds: float
+
+
+def joint_keep(candidates: Sequence[JointCandidate], batch_size: int, min_tokens: int = 1) -> int:
+    """How many drafted nodes each of ``candidates`` keeps (the same count for all, each
+    capped by what it drafted) when their trees share one verification forward of
+    ``batch_size`` rows padded to the largest tree: the count that maximises the batch's
+    expected committed tokens per second. ``min_tokens``: the largest tree in the forward that
+    is not resized (root included), below which padding costs nothing more. 0: no drafts."""
+    if not candidates:
+        raise ValueError("joint_keep needs at least one request")
+    if batch_size < len(candidates) or min_tokens < 1:
+        raise ValueError(
+            f"batch_size must cover the {len(candidates)} requests and min_tokens be >= 1, got "
+            f"{batch_size} and {min_tokens}"
+        )
+    accepts = [[c.sizer.accept(score) for score in c.scores] for c in candidates]
+    fixed = sum(c.drafting_seconds + c.sizer.overhead_seconds for c in candidates)
+    scale = sum(c.sizer.cost_scale for c in candidates) / len(candidates)
+    curve = candidates[0].sizer.curve
+    widest = max(map(len, accepts))
+    best_count, best_rate, gain = 0, 0.0, float(len(candidates))
+    for count in range(widest + 1):
+        if count:
+            gain += sum(a[count - 1] for a in accepts if len(a) >= count)
+        rows = batch_size * max(count + 1, min_tokens)
+        rate = gain / (fixed + scale * curve.at(rows))
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+    return best_count

@@ -132,6 +132,44 @@ def test_every_verification_is_timed_for_tree_sizing(server_for, monkeypatch) ->
     assert max(tokens for _, tokens in seen) > 2 * len(bodies)
 
 
+def test_adaptive_trees_of_a_round_are_sized_together(server_for, monkeypatch) -> None:
+    """In a batched round every adaptive tree keeps the node count chosen for the whole forward
+    (``joint_keep``; fixed here so the test does not depend on timing), cut with
+    ``GenerationStream.resize``; greedy outputs stay those of the requests alone."""
+    from selfspec.generation import GenerationStream
+    from selfspec.serve import engine as engine_module
+
+    rounds: list[tuple[int, int, int]] = []
+    resized: list[tuple[int, int]] = []
+
+    def fixed_count(candidates, batch_size: int, min_tokens: int = 1) -> int:
+        rounds.append((len(candidates), batch_size, min_tokens))
+        return 2
+
+    real_resize = GenerationStream.resize
+
+    def record(self, drafted, count: int):
+        out = real_resize(self, drafted, count)
+        resized.append((drafted.tree.size, out.tree.size))
+        return out
+
+    monkeypatch.setattr(engine_module, "joint_keep", fixed_count)
+    monkeypatch.setattr(GenerationStream, "resize", record)
+    greedy = [
+        {**b, "max_tokens": 16, "ignore_eos": True, "speculation": True}
+        for b in REQUESTS
+        if b["temperature"] == 0
+    ]
+    with server_for(max_running=8, max_queue=8, tree="adaptive") as (url, _, _):
+        serial = [_post(url, body).json()["choices"][0]["text"] for body in greedy]
+        rounds.clear()
+        with ThreadPoolExecutor(len(greedy)) as pool:
+            replies = list(pool.map(lambda body: _post(url, body), greedy))
+    assert [r.json()["choices"][0]["text"] for r in replies] == serial
+    assert any(count > 1 for count, _, _ in rounds)  # rounds of several requests were sized
+    assert resized and all(after == min(before, 3) for before, after in resized)
+
+
 def _stream_text(url: str, body: dict[str, object]) -> str:
     import json
 
