@@ -94,6 +94,21 @@ class GrowingLayer(DynamicLayer):
         """Count ``new`` more entries, written in place after ``reserve``."""
         self._key_length = self._value_length = self._key_length + new
 
+    def keep(self, start: int, source: torch.Tensor | None, count: int) -> None:
+        """Keep the first ``start`` entries, then ``count`` more: entries ``source`` # [count]
+        (ascending, >= start) moved into place, or (None) the next ``count`` as they are; drop
+        the rest (a verified tree's rejected nodes). What ``crop`` after an index copy does,
+        without transformers' per-call bookkeeping (a step does this for every layer)."""
+        if source is not None:
+            keep = slice(start, start + count)
+            for buffer, length in (
+                (self._key_buffer, self._key_length),
+                (self._value_buffer, self._value_length),
+            ):
+                filled = buffer[:, :, :length]
+                filled[:, :, keep] = filled.index_select(-2, source)
+        self._key_length = self._value_length = start + count
+
     def get_seq_length(self) -> int:
         return self._key_length if self.is_initialized else 0
 

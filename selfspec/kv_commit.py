@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from selfspec.growing_cache import is_full_attention
+from selfspec.growing_cache import GrowingLayer, is_full_attention
 
 
 def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Tensor) -> None:
@@ -17,15 +17,18 @@ def commit_accepted(cache: DynamicCache, committed_len: int, accepted: torch.Ten
     num_accepted = int(accepted.shape[0])
     # Fast path: the accepted nodes are exactly the first A tree nodes (e.g. a chain).
     contiguous = bool((accepted == torch.arange(num_accepted, device=accepted.device)).all())
+    source = None if contiguous else accepted + committed_len  # [A]
     for layer in cache.layers:
+        if type(layer) is GrowingLayer:
+            layer.keep(committed_len, source, num_accepted)
+            continue
         if not is_full_attention(layer):
             raise TypeError(
                 f"selfspec needs a plain DynamicCache; layer type {type(layer).__name__} "
                 "(sliding window / linear attention) is not supported yet"
             )
         tree_len = layer.keys.shape[-2] - committed_len
-        if not contiguous:
-            source = accepted + committed_len  # [A]
+        if source is not None:
             keep = slice(committed_len, committed_len + num_accepted)
             layer.keys[..., keep, :] = layer.keys.index_select(-2, source)
             layer.values[..., keep, :] = layer.values.index_select(-2, source)

@@ -147,7 +147,7 @@ class LeanBody:
         body = self.body
         hidden = body.embed_tokens(input_ids)  # [B, S, H]
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
-        signed_sin = _sign_folded(sin)
+        signed_sin = sign_folded(sin)
         fused = self.fused_glue and hidden.dtype == torch.float32
         norm = _fused_norm if fused else _module_norm
         if not fused:
@@ -225,7 +225,7 @@ class LeanBody:
             whole,
             hidden,
             cos,
-            _sign_folded(sin),
+            sign_folded(sin),
             rows,
             list(masks),
             extension.requested_isa(),
@@ -349,10 +349,10 @@ def _fused_rotate(
     return kernels.rotary_(states, cos, signed_sin)
 
 
-def _sign_folded(sin: torch.Tensor) -> torch.Tensor:
+def sign_folded(sin: torch.Tensor) -> torch.Tensor:
     """``sin`` with its first half negated. # [..., D] -> [..., D]
 
-    ``rotate_half(x) * sin`` is ``cat(-x2, x1) * sin``; ``cat(x2, x1) * _sign_folded(sin)`` gives
+    ``rotate_half(x) * sin`` is ``cat(-x2, x1) * sin``; ``cat(x2, x1) * sign_folded(sin)`` gives
     the same bits (a product's magnitude does not depend on which factor carries the sign) with
     one sign flip per forward instead of one per layer and tensor."""
     half = sin.shape[-1] // 2

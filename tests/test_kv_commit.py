@@ -7,6 +7,7 @@ import torch
 from tiny_models import tiny_config
 from transformers import DynamicCache, MistralConfig
 
+from selfspec.growing_cache import GrowingLayer
 from selfspec.kv_commit import commit_accepted
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 4
@@ -20,10 +21,13 @@ def _entries(layer: int, start: int, count: int, offset: float) -> torch.Tensor:
     return values.view(1, 1, count, 1).expand(1, HEADS, count, HEAD_DIM).clone()
 
 
-def _cache() -> DynamicCache:
+def _cache(growing: bool = False) -> DynamicCache:
     """A committed prefix, then one tree's entries appended in a second update (as in decoding).
-    Keys hold layer * 1000 + position, values the same + 0.5."""
+    Keys hold layer * 1000 + position, values the same + 0.5. ``growing``: layers that grow in
+    place (``GrowingLayer``, what decoding uses), else transformers' own."""
     cache = DynamicCache()
+    if growing:
+        cache.layers = [GrowingLayer() for _ in range(LAYERS)]
     for start, count in ((0, COMMITTED), (COMMITTED, TREE)):
         for layer in range(LAYERS):
             cache.update(
@@ -49,8 +53,11 @@ def _expected(layer: int, accepted: list[int], offset: float) -> torch.Tensor:
         [0, 1, 6],  # a gap in the middle
     ],
 )
-def test_commit_keeps_exactly_the_accepted_entries_in_order(accepted: list[int]) -> None:
-    cache = _cache()
+@pytest.mark.parametrize("growing", [False, True], ids=["dynamic", "growing"])
+def test_commit_keeps_exactly_the_accepted_entries_in_order(
+    accepted: list[int], growing: bool
+) -> None:
+    cache = _cache(growing)
     commit_accepted(cache, COMMITTED, torch.tensor(accepted))
     assert cache.get_seq_length() == COMMITTED + len(accepted)
     for layer_index, layer in enumerate(cache.layers):
@@ -58,8 +65,9 @@ def test_commit_keeps_exactly_the_accepted_entries_in_order(accepted: list[int])
         assert torch.equal(layer.values, _expected(layer_index, accepted, 0.5))
 
 
-def test_commit_then_append_continues_after_the_accepted_path() -> None:
-    cache = _cache()
+@pytest.mark.parametrize("growing", [False, True], ids=["dynamic", "growing"])
+def test_commit_then_append_continues_after_the_accepted_path(growing: bool) -> None:
+    cache = _cache(growing)
     commit_accepted(cache, COMMITTED, torch.tensor([0, 2, 5]))
     new = _entries(0, 100, 3, 0.0)
     keys, _ = cache.update(new, new + 0.5, 0)
@@ -67,8 +75,9 @@ def test_commit_then_append_continues_after_the_accepted_path() -> None:
     assert torch.equal(keys[:, :, COMMITTED + 3 :], new)
 
 
-def test_commit_twice_in_a_row() -> None:
-    cache = _cache()
+@pytest.mark.parametrize("growing", [False, True], ids=["dynamic", "growing"])
+def test_commit_twice_in_a_row(growing: bool) -> None:
+    cache = _cache(growing)
     commit_accepted(cache, COMMITTED, torch.tensor([0, 4]))
     committed = COMMITTED + 2
     for layer in range(LAYERS):

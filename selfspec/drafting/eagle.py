@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.drafting.fused_head import FusedEagleHead
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.drafting.projection import DraftProjection
 from selfspec.heads.draft_vocab import draft_vocab_of
@@ -30,6 +31,7 @@ class EagleDrafter:
         self.head = head
         self.target = target
         self.projection = DraftProjection(target.lm_head, draft_vocab_of(head))
+        self.fused = FusedEagleHead(head)  # the head's layers in one C++ call where it can
 
     def start(
         self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int
@@ -53,8 +55,8 @@ class EagleDrafter:
         """Commit pairs (feature_j, token_{j+1}). features: # [A, H], next_tokens: # [A]"""
         start = state.cache.length + 1
         positions = torch.arange(start, start + next_tokens.shape[0], device=next_tokens.device)
-        predicted = self.head(
-            self.target.embed(next_tokens)[None], features[None], positions[None], cache=state.cache
+        predicted = self.fused(
+            self.target.embed(next_tokens)[None], features[None], positions[None], None, state.cache
         )  # [1, A, H]
         state.root_feature = predicted[0, -1]
 
@@ -73,7 +75,7 @@ class EagleDrafter:
             parent_features = torch.stack([predicted[tree.parents[n]] for n in frontier])  # [F, H]
             positions = torch.tensor([committed + tree.depths[n] for n in frontier], device=device)
             attend = self._tree_attend(tree, frontier, committed, slot_nodes, device)
-            out = self.head(
+            out = self.fused(
                 self.target.embed(tokens)[None],
                 parent_features[None],
                 positions[None],

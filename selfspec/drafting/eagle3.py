@@ -55,6 +55,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def __init__(self, head: Eagle3Head, target: TargetForward) -> None:
         self.head = head
+        self.fused = head  # its own layer (token and feature halves) has no fused form yet
         self.target = target
         self.target_layers: tuple[int, ...] = head.config.target_layers
         self.projection = Eagle3Projection(head, target.vocab_size)  # type: ignore[assignment]

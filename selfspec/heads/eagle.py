@@ -20,28 +20,81 @@ from selfspec.heads.config import HeadKind, HeadsConfig
 from selfspec.heads.draft_vocab import register_draft_vocab
 from selfspec.heads.registry import register_heads
 
+MIN_CAPACITY = 64
+
 
 @dataclass
 class EagleCache:
-    """Keys and values of the EAGLE layer(s) for one request. Owned by the request's state."""
+    """Keys and values of the EAGLE layer(s) for one request. Owned by the request's state.
 
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer [B, heads, P, head_dim]
-    values: list[torch.Tensor] = field(default_factory=list)
+    Without autograd each layer's entries live in a buffer with spare capacity (doubling when
+    full) and a step writes only its own (``reserve`` / ``extend``, also used by the fused head,
+    ``selfspec.drafting.fused_head``); with autograd (training) an append concatenates, as the
+    graph needs every earlier tensor unchanged."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Per layer (keys, values) # [B, kv_heads, capacity, head_dim]."""
+    lengths: list[int] = field(default_factory=list)
+    """Per layer: filled entries of its buffers."""
 
     @property
     def length(self) -> int:
-        return 0 if not self.keys else int(self.keys[0].shape[-2])
+        return self.lengths[0] if self.lengths else 0
+
+    @property
+    def keys(self) -> list[torch.Tensor]:  # per layer [B, kv_heads, length, head_dim]
+        return [k[..., :n, :] for (k, _), n in zip(self.buffers, self.lengths, strict=True)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[..., :n, :] for (_, v), n in zip(self.buffers, self.lengths, strict=True)]
 
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-        return self.keys[layer], self.values[layer]
+        """Add ``k`` / ``v`` # [B, kv_heads, S, head_dim] to ``layer``'s entries; returns all of
+        them, # [B, kv_heads, length + S, head_dim]."""
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            if layer == len(self.buffers):
+                self.buffers.append((k, v))
+                self.lengths.append(k.shape[-2])
+            else:
+                keys, values = self.buffers[layer]
+                n = self.lengths[layer]
+                keys = torch.cat([keys[..., :n, :], k], dim=-2)
+                values = torch.cat([values[..., :n, :], v], dim=-2)
+                self.buffers[layer], self.lengths[layer] = (keys, values), n + k.shape[-2]
+            keys, values = self.buffers[layer]
+            return keys[..., : self.lengths[layer], :], values[..., : self.lengths[layer], :]
+        keys, values, start = self.reserve(layer, k, v)
+        end = start + k.shape[-2]
+        keys[..., start:end, :] = k
+        values[..., start:end, :] = v
+        self.extend(layer, k.shape[-2])
+        return keys[..., :end, :], values[..., :end, :]
+
+    def reserve(
+        self, layer: int, k_like: torch.Tensor, v_like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for S more entries in ``layer`` (shapes and dtypes as ``k_like`` / ``v_like``
+        # [B, kv_heads, S, head_dim]): (key buffer, value buffer, start). The caller writes
+        entries [start, start + S), then calls ``extend(layer, S)``."""
+        extra = k_like.shape[-2]
+        if layer == len(self.buffers):
+            capacity = max(MIN_CAPACITY, 2 * extra)
+            self.buffers.append((_empty_like(k_like, capacity), _empty_like(v_like, capacity)))
+            self.lengths.append(0)
+        keys, values = self.buffers[layer]
+        start = self.lengths[layer]
+        if start + extra > keys.shape[-2]:
+            capacity = max(2 * keys.shape[-2], start + extra)
+            keys, values = _grown(keys, start, capacity), _grown(values, start, capacity)
+            self.buffers[layer] = (keys, values)
+        return keys, values, start
+
+    def extend(self, layer: int, count: int) -> None:
+        """Count ``count`` more entries of ``layer``, written in place after ``reserve``."""
+        self.lengths[layer] += count
 
     def attention(
         self,
@@ -57,8 +110,18 @@ class EagleCache:
         return attention(q, k, v, attend)
 
     def crop(self, length: int) -> None:
-        self.keys = [k[..., :length, :] for k in self.keys]
-        self.values = [v[..., :length, :] for v in self.values]
+        self.lengths = [min(n, length) for n in self.lengths]
+
+
+def _empty_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    batch, heads, _, dim = states.shape
+    return states.new_empty(batch, heads, capacity, dim)
+
+
+def _grown(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    out = _empty_like(buffer, capacity)
+    out[..., :length, :] = buffer[..., :length, :]
+    return out
 
 
 class AttentionCache(Protocol):

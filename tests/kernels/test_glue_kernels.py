@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from selfspec.kernels import extension, ops
-from selfspec.lean_body import _rotate, _sign_folded
+from selfspec.lean_body import _rotate, sign_folded
 
 pytestmark = pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
 
@@ -56,7 +56,7 @@ def test_rotary_is_bit_identical_to_the_torch_ops() -> None:
     generator = torch.Generator().manual_seed(4)
     states = torch.randn(2, 3, 9, 64, generator=generator)
     angles = torch.randn(2, 3, 64, generator=generator)
-    cos, signed_sin = angles.cos(), _sign_folded(angles.sin())
+    cos, signed_sin = angles.cos(), sign_folded(angles.sin())
     expected = _rotate(states, cos.unsqueeze(2), signed_sin.unsqueeze(2))
     out = ops.rotary_(states.clone(), cos, signed_sin)
     assert torch.equal(out, expected)

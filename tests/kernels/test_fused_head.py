@@ -1,0 +1,106 @@
+"""An EAGLE head's layers as one C++ call (``selfspec.drafting.fused_head``): the head's function
+up to rounding, written into the same cache; the torch path wherever something is in its way."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import cpp_paths
+from tiny_models import make_tiny_model
+
+from selfspec.drafting.fused_head import FusedEagleHead
+from selfspec.heads import build_heads, heads_config_for
+from selfspec.heads.delta import Delta, DeltaBank, DeltaConfig, delta_modules
+from selfspec.heads.eagle import EagleCache
+from selfspec.kernels.modules import install_kernels
+
+pytestmark = pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+
+
+def _head(layers: int = 1, kernels: bool = True):
+    model = make_tiny_model("llama")
+    config = heads_config_for(model, "eagle")
+    config = replace(config, num_layers=layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        head = build_heads(config).eval()
+        with torch.no_grad():  # random, not the identity the untrained head starts as
+            for parameter in head.parameters():
+                parameter.normal_(0.0, 0.3 if parameter.dim() > 1 else 1.0)
+    if kernels:
+        install_kernels(head, "int8")
+    return head
+
+
+def _steps(forward, head, cache: EagleCache) -> list[torch.Tensor]:
+    """A 6-token prefix (causal), then a 3-node tree step over it with a mask."""
+    hidden = head.config.hidden_size
+    generator = torch.Generator().manual_seed(1)
+    embeds, features = (torch.randn(1, 9, hidden, generator=generator) for _ in range(2))
+    first = forward(embeds[:, :6], features[:, :6], torch.arange(1, 7)[None], None, cache)
+    attend = torch.ones(1, 1, 3, 9, dtype=torch.bool)
+    attend[0, 0, 1, 8] = attend[0, 0, 2, 7] = False  # nodes 1 and 2: siblings
+    second = forward(embeds[:, 6:], features[:, 6:], torch.tensor([[7, 8, 8]]), attend, cache)
+    return [first, second, *cache.keys, *cache.values]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_fused_head_computes_the_head_up_to_rounding(layers: int) -> None:
+    head = _head(layers)
+    fused = FusedEagleHead(head)
+    with torch.inference_mode():
+        expected = _steps(head, head, EagleCache())
+        cache = EagleCache()
+        got = _steps(fused, head, cache)
+        assert fused._current_plan(got[0]) is not None  # it ran fused
+    assert cache.lengths == [9] * layers
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_torch_path_runs_where_the_fused_one_cannot() -> None:
+    """Autograd, a hook, an active draft delta, heads off the kernels: the head's own forward,
+    bit for bit; a changed weight: a new plan."""
+    head = _head()
+    fused = FusedEagleHead(head)
+    with torch.inference_mode():
+        expected = _steps(head, head, EagleCache())
+
+    def same_as_head() -> None:
+        with torch.inference_mode():
+            for a, b in zip(_steps(fused, head, EagleCache()), expected, strict=True):
+                assert torch.equal(a, b)
+
+    handle = head.layers[0].gate_up.register_forward_hook(lambda _m, _a, out: None)
+    try:
+        same_as_head()
+    finally:
+        handle.remove()
+    names = delta_modules(head)
+    bank = DeltaBank(head)
+    rank = 2
+    state = {}
+    for name in names:
+        layer = head.get_submodule(name).base
+        state[f"{name}.lora_A"] = torch.full((rank, layer.in_features), 0.01)
+        state[f"{name}.lora_B"] = torch.full((layer.out_features, rank), 0.01)
+    bank.add("a", Delta(DeltaConfig(rank=rank, alpha=rank), bank.hash, state))
+    with torch.inference_mode(), bank.active("a"):
+        delta_expected = _steps(head, head, EagleCache())
+        got = _steps(fused, head, EagleCache())
+    for a, b in zip(got, delta_expected, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(delta_expected[0], expected[0])
+    with torch.inference_mode():  # no delta active: the banked layers run fused again
+        assert fused._current_plan(expected[0]) is not None
+    with torch.inference_mode():
+        assert FusedEagleHead(_head(kernels=False))._current_plan(expected[0]) is None
+    assert fused._current_plan(expected[0].clone().requires_grad_(False)) is None  # autograd on
+    with torch.inference_mode():
+        plan = fused._current_plan(expected[0])
+        with torch.no_grad():
+            head.layers[0].down.weight.mul_(2.0)
+        assert fused._current_plan(expected[0]) is not plan
