@@ -141,3 +141,63 @@ def test_the_bank_applies_a_delta_only_while_active_and_stays_lossless(model) ->
     assert spec.token_ids == plain.token_ids
     bank.remove("shout")
     assert "shout" not in bank and bank.nbytes == 0
+
+
+def test_a_delta_may_bring_its_own_draft_vocabulary(model, tmp_path: Path) -> None:
+    """Saved with the delta and checked on load; while its adapter is active the drafts come
+    from those tokens (the lm_head's rows read in place on the kernels); output stays lossless;
+    other adapters and the base keep the heads' vocabulary."""
+    from dataclasses import replace
+
+    from selfspec.drafting.projection import DraftProjection
+    from selfspec.kernels.modules import install_kernels
+
+    heads = _heads(model)
+    _, delta = _trained_delta(heads)
+    vocab_size = heads.config.vocab_size
+    own = torch.tensor([3, 5, 8, 13, 21, 34, 55, vocab_size - 1])
+    with_vocab = replace(delta, draft_vocab=own)
+    path = save_delta(with_vocab, tmp_path / "with-vocab")
+    loaded = load_delta(path, heads)
+    assert torch.equal(loaded.draft_vocab, own) and loaded.nbytes == delta.nbytes + own.nbytes
+    assert load_delta(save_delta(delta, tmp_path / "without"), heads).draft_vocab is None
+    for bad in (torch.tensor([3, 3]), torch.tensor([vocab_size])):
+        save_delta(replace(delta, draft_vocab=bad), tmp_path / "bad-vocab")
+        with pytest.raises(DeltaError, match="draft vocabulary"):
+            load_delta(tmp_path / "bad-vocab", heads)
+
+    target = make_tiny_model("llama", 0).eval()
+    install_kernels(target, "float32")
+    banked = copy.deepcopy(heads)
+    bank = DeltaBank(banked)
+    bank.add("own", loaded)
+    bank.add("shared", delta)
+    projection = DraftProjection(target.lm_head, None, banked)
+    features = torch.randn(2, target.config.hidden_size)
+    with torch.inference_mode():
+        full = target.lm_head(features)
+        with bank.active("own"):
+            assert bank.active_draft_vocab() is not None and projection.size == len(own)
+            assert torch.equal(projection.logits(features), full[:, own])
+            assert projection.token_ids(torch.tensor([0, 7, -1])).tolist() == [
+                3,
+                vocab_size - 1,
+                -1,
+            ]
+            assert torch.equal(projection.to_full(torch.ones(1, len(own)))[0].nonzero()[:, 0], own)
+        for name in ("shared", None):
+            with bank.active(name):
+                assert projection.size == vocab_size
+                assert torch.equal(projection.logits(features), full)
+    generator = SpeculativeGenerator(target, banked)
+    prompt = [1, 5, 9, 13, 2]
+    plain = generator.generate(prompt, GenerationConfig(max_new_tokens=24, speculate=False))
+    spec = generator.generate(
+        prompt,
+        GenerationConfig(max_new_tokens=24, tree=DynamicTree()),
+        scope=lambda: bank.active("own"),
+    )
+    assert spec.token_ids == plain.token_ids
+    bank.remove("own")
+    with bank.active("own"):
+        assert bank.active_draft_vocab() is None

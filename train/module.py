@@ -127,6 +127,7 @@ class HeadsModule(L.LightningModule):
         if self.kind is not HeadKind.EAGLE3 and (target_layers is not None or ttt is not None):
             raise ValueError("target_layers and ttt are options of kind eagle3 only")
         self.loss_vocab: torch.Tensor | None = None  # [V'] token ids, set in setup()
+        self.delta_vocab: torch.Tensor | None = None  # [V'] a delta's own draft vocabulary
         self.loss_vocab_coverage = 1.0
         """Share of the training responses' tokens inside the loss vocabulary."""
         if init_from is not None:
@@ -169,6 +170,14 @@ class HeadsModule(L.LightningModule):
                 vocab = draft_vocab_of(self.heads)
                 if isinstance(self.heads, Eagle3Head):
                     vocab = self.heads.draft_vocab
+                elif self.loss_vocab_size is not None:
+                    # The adapter's own frequent tokens: the delta carries them as its draft
+                    # vocabulary (``Delta.draft_vocab``), drafts come from them while it is active.
+                    datamodule = self.trainer.datamodule
+                    datamodule.setup(stage)
+                    counts = datamodule.response_token_counts(self.target.vocab_size)  # [vocab]
+                    vocab, self.loss_vocab_coverage = frequent_tokens(counts, self.loss_vocab_size)
+                    self.delta_vocab = vocab
                 self.loss_vocab = None if vocab is None else vocab.to(self.device)
                 with_trainable_delta(self.heads, self.delta)
             return
@@ -340,7 +349,8 @@ class HeadsModule(L.LightningModule):
         from selfspec.heads import save_heads
 
         if self.delta is not None:  # the delta alone, for the heads it corrects
-            delta = Delta(self.delta, heads_hash(self.heads), delta_state(self.heads))
+            vocab = None if self.delta_vocab is None else self.delta_vocab.cpu()
+            delta = Delta(self.delta, heads_hash(self.heads), delta_state(self.heads), vocab)
             return save_delta(delta, Path(path), extra=extra)
         return save_heads(self.heads, path, self.base, extra=extra)
 

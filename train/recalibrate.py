@@ -113,7 +113,13 @@ class RecalibrateConfig:
     )
     max_steps: int = field(default=60, metadata={"help": "optimizer steps of the fine-tuning"})
     batch_size: int = field(default=8, metadata={"help": "rows per training batch"})
-    lr: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)"})
+    lr: float | None = field(
+        default=None,
+        metadata={
+            "help": "peak learning rate (AdamW); default 3e-3 for a delta (its B starts at 0), "
+            "3e-4 for a full copy"
+        },
+    )
     warmup_steps: int = field(default=5, metadata={"help": "linear warmup steps"})
     eagle_depth: int = field(
         default=2, metadata={"help": "EAGLE draft depths simulated per training step"}
@@ -138,6 +144,16 @@ class RecalibrateConfig:
         },
     )
 
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the default for what is trained. A delta's low-rank pairs start from zero
+        and move the heads far less per step than a full copy's weights: on the default model's
+        `shout` adapter (60 steps, rank 16) τ rose 1.08 -> 1.23 at 3e-4, -> 1.56 at 3e-3 and
+        -> 1.46 at 1e-2 (a full copy at 3e-4: 1.91)."""
+        if self.lr is not None:
+            return self.lr
+        return 3e-3 if self.delta_rank else 3e-4
+
     def __post_init__(self) -> None:
         parse_tree_spec(self.tree)
         for name in ("max_prompts", "eval_prompts", "max_steps", "batch_size", "eagle_depth"):
@@ -150,7 +166,7 @@ class RecalibrateConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 2, got {getattr(self, name)}"
                 )
-        if not self.lr > 0 or self.warmup_steps < 0:
+        if (self.lr is not None and not self.lr > 0) or self.warmup_steps < 0:
             raise ValueError(
                 f"need --lr > 0 and --warmup-steps >= 0, got {self.lr}, {self.warmup_steps}"
             )
@@ -307,7 +323,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             kind=kind.value,
             init_from=str(heads_dir),
             loss_vocab_size=config.loss_vocab_size or None,
-            optim=OptimConfig(lr=config.lr, warmup_steps=config.warmup_steps),
+            optim=OptimConfig(lr=config.learning_rate, warmup_steps=config.warmup_steps),
             eagle_depth=config.eagle_depth,
             delta=delta,
         )
@@ -340,7 +356,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             "steps": len(losses),
             "distilled_prompts": config.max_prompts,
             "max_new_tokens": config.max_new_tokens,
-            "lr": config.lr,
+            "lr": config.learning_rate,
             "eagle_depth": config.eagle_depth,
             "loss_vocab_size": config.loss_vocab_size,
             "heldout_top1_before": round(heldout_before.top1, 5),
@@ -397,7 +413,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             "eval_max_new_tokens": config.eval_max_new_tokens,
             "max_steps": config.max_steps,
             "batch_size": config.batch_size,
-            "lr": config.lr,
+            "lr": config.learning_rate,
             "tree": config.tree,
             "seconds": round(time.perf_counter() - started, 1),
             **machine(),

@@ -30,7 +30,7 @@ class EagleDrafter:
     def __init__(self, head: EagleHead, target: TargetForward) -> None:
         self.head = head
         self.target = target
-        self.projection = DraftProjection(target.lm_head, draft_vocab_of(head))
+        self.projection = DraftProjection(target.lm_head, draft_vocab_of(head), head)
         self.fused = FusedEagleHead(head)  # the head's layers in one C++ call where it can
 
     def start(

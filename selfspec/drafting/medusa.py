@@ -23,7 +23,7 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, target: TargetForward) -> None:
         self.heads = heads
         self.target = target
-        self.projection = DraftProjection(target.lm_head, draft_vocab_of(heads))
+        self.projection = DraftProjection(target.lm_head, draft_vocab_of(heads), heads)
 
     def start(
         self, prompt_features: torch.Tensor, prompt_tokens: torch.Tensor, first_token: int

@@ -46,6 +46,25 @@ def linear(
     )
 
 
+def linear_rows(
+    x: torch.Tensor,  # [..., K] float32, contiguous
+    weight: KernelWeight,
+    rows: torch.Tensor,  # [N'] int64, each in [0, N)
+) -> torch.Tensor:
+    """``x @ weight[rows].T`` through the C++ kernel, reading only those weight rows in place
+    (nothing gathered): each column has the bits of the full product's column. # [..., N']"""
+    return _module().linear_rows(
+        x,
+        weight.code,
+        weight.data,
+        weight.scale,
+        weight.minimum,
+        weight.group or weight.in_features,
+        rows.long().contiguous(),
+        extension.requested_isa(),
+    )
+
+
 def linear_fallback(
     x: torch.Tensor,  # [M, K]
     dense: torch.Tensor,  # [N, K], the dequantized weight, x's dtype

@@ -176,3 +176,22 @@ def test_the_extension_checks_its_arguments() -> None:
         module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 5), None, None, None, 4, "auto")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 4), None, None, None, 4, "sse9")
+
+
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_selected_rows_are_the_full_products_columns(fmt: str) -> None:
+    """``linear_rows`` reads only the weight rows it is given, in place (a draft vocabulary of
+    the lm_head): each column has the bits of the full product's, in any order, repeated or
+    not, for one row (direct path) or many (the dequantized-scratch path)."""
+    weight = make_weight(fmt, 130, 64, seed=5)
+    rows = torch.tensor([129, 0, 64, 7, 7, 100])
+    for m in (1, 9):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(ops.linear_rows(x, weight, rows), ops.linear(x, weight)[:, rows])
+    assert ops.linear_rows(x, weight, rows[:0]).shape == (9, 0)
+    module = extension.load()
+    with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 130\)"):
+        ops.linear_rows(x, weight, torch.tensor([3, 130]))
+    with pytest.raises(RuntimeError, match="rows must be int64"):
+        module.linear_rows(x, 0, torch.zeros(3, 64), None, None, 64, torch.zeros(2), "auto")

@@ -198,10 +198,13 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
 ) -> None:
     run = argv(tiny_target, setup, "--delta-rank", "4", "--lr", "1e-2", "--out", str(tmp_path))
+    run += ["--loss-vocab-size", "48"]
     assert main(run) == 0
     delta_dir = setup["adapter"] / "heads-delta"
     record = json.loads((delta_dir / "delta.json").read_text())
     assert record["rank"] == 4 and record["recalibrated_for"] == "loud"
+    # It carries the adapted target's own frequent tokens as its draft vocabulary.
+    assert record["draft_vocab_size"] == record["loss_vocab_size"] == 48
     full = (setup["adapter"] / "heads" / "model.safetensors").stat().st_size
     assert (delta_dir / "delta.safetensors").stat().st_size < 0.5 * full
     delta_report = json.loads((tmp_path / "recalibration.json").read_text())
@@ -209,3 +212,15 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     assert agreement["heldout_after"]["top1"] > agreement["heldout_before"]["top1"] + 0.1
     assert all(row["lossless"] for row in delta_report["rows"])
     assert delta_report["heads_path"] == str(delta_dir.resolve())
+
+
+def test_the_learning_rate_defaults_to_what_is_trained() -> None:
+    """A delta (its low-rank pairs start at zero) trains at 3e-3 unless told, a full copy at
+    3e-4; a given rate is used as is; a rate <= 0 is refused."""
+    from selfspec.train.recalibrate import RecalibrateConfig
+
+    assert RecalibrateConfig(adapter="a").learning_rate == 3e-3
+    assert RecalibrateConfig(adapter="a", delta_rank=0).learning_rate == 3e-4
+    assert RecalibrateConfig(adapter="a", lr=1e-3).learning_rate == 1e-3
+    with pytest.raises(ValueError, match="--lr"):
+        RecalibrateConfig(adapter="a", lr=0.0)

@@ -32,6 +32,7 @@ struct RowRef {
 };
 
 SS_INLINE RowRef row_ref(const LinearParams& p, int64_t n) {
+  if (p.rows) n = p.rows[n];  // output column n reads a chosen weight row (a draft vocabulary)
   const char* base = static_cast<const char*>(p.w);
   switch (p.format) {
     case kInt8: {
@@ -87,6 +88,7 @@ SS_INLINE void weight_pair(const RowRef& row, int64_t k, int64_t group_shift, V&
 }
 
 SS_INLINE const char* row_start(const LinearParams& p, int64_t n) {
+  if (p.rows) n = p.rows[n];
   return static_cast<const char*>(p.w) + n * row_bytes(p);
 }
 

@@ -121,13 +121,28 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
   }
 }
 
-// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32.
-torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa) {
+// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32; with `rows`
+// (int64 [N'], each in [0, N)) -> y [..., N'], column j read from weight row rows[j].
+torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa,
+                         const c10::optional<torch::Tensor>& rows) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., K]");
-  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K, N = w.N;
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K;
+  int64_t N = w.N;
   TORCH_CHECK(K == w.K, "x has ", K, " features, the weight takes ", w.K);
   LinearParams p{};
+  if (rows.has_value()) {
+    check_cpu(*rows, "rows");
+    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
+    TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
+    N = rows->numel();
+    if (N > 0) {
+      const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
+      TORCH_CHECK(low >= 0 && high < w.N, "rows must lie in [0, ", w.N, "), got [", low, ", ",
+                  high, "]");
+    }
+    p.rows = rows->data_ptr<int64_t>();
+  }
   p.x = x.data_ptr<float>();
   p.M = M;
   p.N = N;
@@ -169,7 +184,16 @@ torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor
                      const c10::optional<torch::Tensor>& minimum,
                      const c10::optional<torch::Tensor>& bias, int64_t group,
                      const std::string& isa) {
-  return run_linear(x, KernelMatrix(format, weight, scale, minimum, bias, group), isa);
+  return run_linear(x, KernelMatrix(format, weight, scale, minimum, bias, group), isa, {});
+}
+
+// linear over the weight rows `rows` only (int64 [N']): y [..., N'], column j = x . w[rows[j]];
+// each column's bits are those of the full linear's column rows[j].
+torch::Tensor linear_rows(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& scale,
+                          const c10::optional<torch::Tensor>& minimum, int64_t group,
+                          const torch::Tensor& rows, const std::string& isa) {
+  return run_linear(x, KernelMatrix(format, weight, scale, minimum, {}, group), isa, rows);
 }
 
 // q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16; mask [B, S, T] fp32 additive (<= -1e30
@@ -299,6 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "selfspec's row-invariant small-M linear and fixed-order attention kernels";
   m.def("supported_isas", &selfspec_kernels::supported_isas);
   m.def("linear", &selfspec_kernels::linear);
+  m.def("linear_rows", &selfspec_kernels::linear_rows);
   m.def("attention", &selfspec_kernels::attention);
   m.def("rms_norm", &selfspec_kernels::rms_norm);
   m.def("rotary_", &selfspec_kernels::rotary_);

@@ -19,8 +19,10 @@ struct KernelMatrix {
   c10::optional<torch::Tensor> scale, minimum, bias;
 };
 
-// x [..., K] fp32 -> x . w^T (+ bias) [..., N] fp32, each output element in one fixed order.
-torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa);
+// x [..., K] fp32 -> x . w^T (+ bias) [..., N] fp32, each output element in one fixed order;
+// `rows` (int64 [N'], optional): only those weight rows, y [..., N'].
+torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa,
+                         const c10::optional<torch::Tensor>& rows = {});
 
 // q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16, rows of D contiguous, the same strides;
 // mask [B, S, T] additive fp32 or none (causal). -> [B, S, H, D] fp32.

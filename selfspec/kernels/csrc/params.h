@@ -31,6 +31,7 @@ struct LinearParams {
   int64_t format;
   int64_t group;         // elements per scale along K (int8: K for per-channel, or e.g. 32)
   int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
+  const int64_t* rows;   // [N] the weight row output column n reads, or null (row n)
 };
 
 struct AttentionParams {
