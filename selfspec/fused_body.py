@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from selfspec.fused_layer import FusedLayer
+from selfspec.fused_layer import FusedLayer, fusable_input
 from selfspec.kernels import extension
 from selfspec.linear_deltas import Delta, DeltaHook, delta_hook
 from selfspec.reader_hooks import reader_hooks
@@ -66,11 +65,7 @@ class FusedBody:
         """The call's plan, readers and delta hooks for this forward's ``hidden`` # [B, S, H],
         or None where some layer must run part by part (then ``FusedLayer.parts`` decides)."""
         if (
-            hidden.dtype != torch.float32
-            or hidden.device.type != "cpu"
-            or (torch.is_grad_enabled() and hidden.requires_grad)
-            or torch_module._global_forward_hooks
-            or torch_module._global_forward_pre_hooks
+            not fusable_input(hidden)
             or any(children.get(name) is not module for children, name, module in self._children)
             or any(m._forward_hooks or m._forward_pre_hooks for m in self._unhooked)
         ):

@@ -81,6 +81,18 @@ def _hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
+def fusable_input(hidden: torch.Tensor) -> bool:
+    """Whether a forward of ``hidden`` may run fused at all: fp32 on the CPU, no gradient
+    wanted, no global module hooks (they would see every module called)."""
+    return (
+        hidden.dtype == torch.float32
+        and hidden.device.type == "cpu"
+        and not (torch.is_grad_enabled() and hidden.requires_grad)
+        and not torch_module._global_forward_hooks
+        and not torch_module._global_forward_pre_hooks
+    )
+
+
 def _tensor_key(tensor: torch.Tensor | None) -> tuple[int, int] | None:
     return None if tensor is None else (tensor.data_ptr(), tensor._version)
 
@@ -124,14 +136,7 @@ class FusedLayer:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
         brought up to date for them. (The whole body as one call has its own check,
         ``selfspec.fused_body``, which also allows reader and delta hooks.)"""
-        if (
-            hidden.dtype != torch.float32
-            or hidden.device.type != "cpu"
-            or (torch.is_grad_enabled() and hidden.requires_grad)
-            or torch_module._global_forward_hooks
-            or torch_module._global_forward_pre_hooks
-            or self._modules_replaced()
-        ):
+        if not fusable_input(hidden) or self._modules_replaced():
             return NOT_FUSED
         linear_ok = [not _hooked(linear) for linear in self.linears]
         parts = FusedParts(

@@ -65,6 +65,19 @@ def _trained_delta(heads, steps: int = 3) -> tuple[torch.nn.Module, Delta]:
     return trainable, Delta(DeltaConfig(rank=4, alpha=8), shared_hash, delta_state(trainable))
 
 
+def _assert_lossless(model, banked, bank: DeltaBank, name: str) -> None:
+    """Speculation with ``name``'s delta active drafting gives vanilla greedy's tokens."""
+    generator = SpeculativeGenerator(model, banked)
+    prompt = [1, 5, 9, 13, 2]
+    plain = generator.generate(prompt, GenerationConfig(max_new_tokens=24, speculate=False))
+    spec = generator.generate(
+        prompt,
+        GenerationConfig(max_new_tokens=24, tree=DynamicTree()),
+        scope=lambda: bank.active(name),
+    )
+    assert spec.token_ids == plain.token_ids
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_a_delta_starts_at_the_shared_heads_and_trains_only_itself(model, kind: str) -> None:
     heads = _heads(model, kind)
@@ -130,15 +143,7 @@ def test_the_bank_applies_a_delta_only_while_active_and_stays_lossless(model) ->
         torch.testing.assert_close(banked(embeds, features, positions), want_adapted)
     with bank.active("no-delta"):  # an adapter without a delta drafts with the shared heads
         torch.testing.assert_close(banked(embeds, features, positions), want_shared)
-    generator = SpeculativeGenerator(model, banked)
-    prompt = [1, 5, 9, 13, 2]
-    plain = generator.generate(prompt, GenerationConfig(max_new_tokens=24, speculate=False))
-    spec = generator.generate(
-        prompt,
-        GenerationConfig(max_new_tokens=24, tree=DynamicTree()),
-        scope=lambda: bank.active("shout"),
-    )
-    assert spec.token_ids == plain.token_ids
+    _assert_lossless(model, banked, bank, "shout")
     bank.remove("shout")
     assert "shout" not in bank and bank.nbytes == 0
 
@@ -189,15 +194,7 @@ def test_a_delta_may_bring_its_own_draft_vocabulary(model, tmp_path: Path) -> No
             with bank.active(name):
                 assert projection.size == vocab_size
                 assert torch.equal(projection.logits(features), full)
-    generator = SpeculativeGenerator(target, banked)
-    prompt = [1, 5, 9, 13, 2]
-    plain = generator.generate(prompt, GenerationConfig(max_new_tokens=24, speculate=False))
-    spec = generator.generate(
-        prompt,
-        GenerationConfig(max_new_tokens=24, tree=DynamicTree()),
-        scope=lambda: bank.active("own"),
-    )
-    assert spec.token_ids == plain.token_ids
+    _assert_lossless(target, banked, bank, "own")
     bank.remove("own")
     with bank.active("own"):
         assert bank.active_draft_vocab() is None
