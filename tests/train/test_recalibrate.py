@@ -214,13 +214,17 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     assert delta_report["heads_path"] == str(delta_dir.resolve())
 
 
-def test_the_learning_rate_defaults_to_what_is_trained() -> None:
-    """A delta (its low-rank pairs start at zero) trains at 3e-3 unless told, a full copy at
-    3e-4; a given rate is used as is; a rate <= 0 is refused."""
+def test_learning_rate_and_steps_default_to_what_is_trained() -> None:
+    """A delta (its low-rank pairs start at zero) trains at 3e-3 for 150 steps unless told, a
+    full copy at 3e-4 for 60; given values are used as they are; bad ones are refused."""
     from selfspec.train.recalibrate import RecalibrateConfig
 
-    assert RecalibrateConfig(adapter="a").learning_rate == 3e-3
-    assert RecalibrateConfig(adapter="a", delta_rank=0).learning_rate == 3e-4
-    assert RecalibrateConfig(adapter="a", lr=1e-3).learning_rate == 1e-3
+    delta, full = RecalibrateConfig(adapter="a"), RecalibrateConfig(adapter="a", delta_rank=0)
+    assert (delta.learning_rate, delta.steps) == (3e-3, 150)
+    assert (full.learning_rate, full.steps) == (3e-4, 60)
+    given = RecalibrateConfig(adapter="a", lr=1e-3, max_steps=7)
+    assert (given.learning_rate, given.steps) == (1e-3, 7)
     with pytest.raises(ValueError, match="--lr"):
         RecalibrateConfig(adapter="a", lr=0.0)
+    with pytest.raises(ValueError, match="--max-steps"):
+        RecalibrateConfig(adapter="a", max_steps=0)
