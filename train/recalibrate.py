@@ -58,11 +58,20 @@ from selfspec.cli_args import parse_dataclass
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
 from selfspec.heads.checkpoint import read_heads_config
-from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaConfig, load_delta
+from selfspec.heads.delta import (
+    DELTA_DIR,
+    Delta,
+    DeltaBank,
+    DeltaConfig,
+    heads_hash,
+    load_delta,
+    save_delta,
+)
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
+from selfspec.train.draft_vocab import frequent_tokens
 from selfspec.train.losses import eagle_loss, medusa_loss, response_positions
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.prompts import OnBadLine, read_prompts
@@ -142,6 +151,13 @@ class RecalibrateConfig:
         default=False, metadata={"help": "replace heads the adapter already carries"}
     )
     seed: int = field(default=0, metadata={"help": "seed of data order and training"})
+    vocab_only: bool = field(
+        default=False,
+        metadata={
+            "help": "no training: a delta that only gives the adapter its own draft vocabulary "
+            "(its --loss-vocab-size most frequent response tokens)"
+        },
+    )
     delta_rank: int = field(
         default=16,
         metadata={
@@ -171,6 +187,11 @@ class RecalibrateConfig:
 
     def __post_init__(self) -> None:
         parse_tree_spec(self.tree)
+        if self.vocab_only and not (self.delta_rank and self.loss_vocab_size):
+            raise ValueError(
+                "--vocab-only makes a delta's draft vocabulary: it needs "
+                "--delta-rank > 0 and --loss-vocab-size > 0"
+            )
         for name in ("max_prompts", "eval_prompts", "batch_size", "eagle_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -361,8 +382,15 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             agreement(module, train_rows),
             agreement(module, heldout_rows),
         )
-        losses = _fit(module, data, config)
-        train_after, heldout_after = agreement(module, train_rows), agreement(module, heldout_rows)
+        if config.vocab_only:  # no training: the adapter's frequent tokens alone
+            counts = data.response_token_counts(module.target.vocab_size)  # [vocab]
+            vocab, _ = frequent_tokens(counts, config.loss_vocab_size)
+            losses: list[float] = []
+            train_after, heldout_after = train_before, heldout_before
+        else:
+            losses = _fit(module, data, config)
+            train_after = agreement(module, train_rows)
+            heldout_after = agreement(module, heldout_rows)
 
         # 3. save beside the adapter (atomic; the store and `selfspec eval` pick it up)
         _refuse_existing(destination, config.overwrite)
@@ -381,7 +409,12 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
         }
         if delta is not None:
             record["delta_rank"] = delta.rank
-        module.export(destination, extra=record)
+        if config.vocab_only:
+            record["vocab_only"] = True
+            shared = Delta(delta, heads_hash(module.heads), {}, vocab)
+            save_delta(shared, destination, extra=record)
+        else:
+            module.export(destination, extra=record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

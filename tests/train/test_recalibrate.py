@@ -214,6 +214,31 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     assert delta_report["heads_path"] == str(delta_dir.resolve())
 
 
+def test_a_vocabulary_only_delta_needs_no_training(
+    report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
+) -> None:
+    """``--vocab-only``: a delta of no low-rank pairs that gives the adapter its own frequent
+    tokens as draft vocabulary, measured like any other (lossless); it needs a delta rank and a
+    vocabulary size."""
+    from safetensors.torch import load_file
+
+    run = argv(tiny_target, setup, "--delta-rank", "4", "--vocab-only", "--overwrite")
+    run += ["--loss-vocab-size", "40", "--out", str(tmp_path)]
+    assert main(run) == 0
+    delta_dir = setup["adapter"] / "heads-delta"
+    record = json.loads((delta_dir / "delta.json").read_text())
+    assert record["vocab_only"] and record["steps"] == 0 and record["modules"] == []
+    assert list(load_file(str(delta_dir / "delta.safetensors"))) == ["draft_vocab"]
+    assert record["draft_vocab_size"] == 40
+    delta_report = json.loads((tmp_path / "recalibration.json").read_text())
+    assert all(row["lossless"] for row in delta_report["rows"])
+    from selfspec.train.recalibrate import RecalibrateConfig
+
+    for bad in ({"delta_rank": 0}, {"loss_vocab_size": 0}):
+        with pytest.raises(ValueError, match="--vocab-only"):
+            RecalibrateConfig(adapter="a", vocab_only=True, **bad)
+
+
 def test_learning_rate_and_steps_default_to_what_is_trained() -> None:
     """A delta (its low-rank pairs start at zero) trains at 3e-3 for 150 steps unless told, a
     full copy at 3e-4 for 60; given values are used as they are; bad ones are refused."""
