@@ -35,6 +35,18 @@ def frequent_tokens(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, floa
     return top.indices.sort().values, coverage
 
 
+def adapter_vocab(shared: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor | None:
+    """An adapter's draft vocabulary: the shared one plus every token the adapter's responses
+    use outside it, ascending # [N >= len(shared)]; None where the shared heads draft from the
+    whole vocabulary already. A recalibration distils a few thousand tokens: too few to rank
+    8192 on their own (most would be unseen, picked arbitrarily: `docs` drafted worse from
+    such a vocabulary, τ 1.83 vs 1.90 with the shared one), enough to say what to add."""
+    if shared is None:
+        return None
+    seen = counts.nonzero()[:, 0].to(shared.device)
+    return torch.cat([shared, seen]).unique(sorted=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m selfspec.train.draft_vocab", description=__doc__.split("\n\n")[0]
@@ -65,9 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "draft_vocab": {"size": args.size, "coverage": coverage, "data": str(args.data)},
     }
     # Files kept beside the checkpoint (e.g. the training's metrics.json) stay with it.
-    beside = {
-        p.name: p.read_text() for p in args.heads.glob("*.json") if p.name != "config.json"
-    }
+    beside = {p.name: p.read_text() for p in args.heads.glob("*.json") if p.name != "config.json"}
     output = save_heads(heads, args.output or args.heads, base, extra)
     for name, text in beside.items():
         write_text_atomic(output / name, text)

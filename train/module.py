@@ -35,7 +35,7 @@ from selfspec.heads.draft_vocab import draft_vocab_of, with_draft_vocab
 from selfspec.heads.eagle3 import Eagle3Head, init_from_target, with_eagle3_draft_vocab
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
-from selfspec.train.draft_vocab import frequent_tokens
+from selfspec.train.draft_vocab import adapter_vocab, frequent_tokens
 from selfspec.train.eagle3_loss import TTTConfig, eagle3_loss
 from selfspec.train.losses import (
     LossOutput,
@@ -170,13 +170,13 @@ class HeadsModule(L.LightningModule):
                 vocab = draft_vocab_of(self.heads)
                 if isinstance(self.heads, Eagle3Head):
                     vocab = self.heads.draft_vocab
-                elif self.loss_vocab_size is not None:
-                    # The adapter's own frequent tokens: the delta carries them as its draft
-                    # vocabulary (``Delta.draft_vocab``), drafts come from them while it is active.
+                elif vocab is not None:
+                    # The shared vocabulary plus the adapter's own tokens outside it: the delta
+                    # carries it (``Delta.draft_vocab``), drafts come from it while it is active.
                     datamodule = self.trainer.datamodule
                     datamodule.setup(stage)
                     counts = datamodule.response_token_counts(self.target.vocab_size)  # [vocab]
-                    vocab, self.loss_vocab_coverage = frequent_tokens(counts, self.loss_vocab_size)
+                    vocab = adapter_vocab(vocab, counts)
                     self.delta_vocab = vocab
                 self.loss_vocab = None if vocab is None else vocab.to(self.device)
                 with_trainable_delta(self.heads, self.delta)

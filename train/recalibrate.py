@@ -67,11 +67,12 @@ from selfspec.heads.delta import (
     load_delta,
     save_delta,
 )
+from selfspec.heads.draft_vocab import draft_vocab_of
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
-from selfspec.train.draft_vocab import frequent_tokens
+from selfspec.train.draft_vocab import adapter_vocab
 from selfspec.train.losses import eagle_loss, medusa_loss, response_positions
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.prompts import OnBadLine, read_prompts
@@ -141,7 +142,11 @@ class RecalibrateConfig:
     )
     loss_vocab_size: int | None = field(
         default=8192,
-        metadata={"help": "losses over this many most frequent response tokens (0: all)"},
+        metadata={
+            "help": "a full copy: losses (and its draft vocabulary) over this many most frequent "
+            "response tokens (0: all); a delta drafts from the shared heads' vocabulary plus "
+            "the adapter's own tokens"
+        },
     )
     tree: str = field(default="auto", metadata={"help": "tree spec, as for selfspec generate"})
     dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16 (measurement)"})
@@ -154,8 +159,8 @@ class RecalibrateConfig:
     vocab_only: bool = field(
         default=False,
         metadata={
-            "help": "no training: a delta that only gives the adapter its own draft vocabulary "
-            "(its --loss-vocab-size most frequent response tokens)"
+            "help": "no training: a delta that only adds the adapter's own response tokens to "
+            "the shared heads' draft vocabulary"
         },
     )
     delta_rank: int = field(
@@ -187,11 +192,8 @@ class RecalibrateConfig:
 
     def __post_init__(self) -> None:
         parse_tree_spec(self.tree)
-        if self.vocab_only and not (self.delta_rank and self.loss_vocab_size):
-            raise ValueError(
-                "--vocab-only makes a delta's draft vocabulary: it needs "
-                "--delta-rank > 0 and --loss-vocab-size > 0"
-            )
+        if self.vocab_only and not self.delta_rank:
+            raise ValueError("--vocab-only makes a delta (a draft vocabulary): not --delta-rank 0")
         for name in ("max_prompts", "eval_prompts", "batch_size", "eagle_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -321,6 +323,11 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     heads_dir = _heads_dir(config.heads, is_default)
     old_heads = load_heads(heads_dir, model)  # refuses heads of another base
     kind = read_heads_config(heads_dir)[0].kind
+    if config.vocab_only and draft_vocab_of(old_heads) is None:
+        raise ValueError(
+            f"{heads_dir}: these heads draft from the whole vocabulary; a vocabulary-only "
+            "delta would change nothing"
+        )
     if kind is HeadKind.EAGLE3:  # its training reads tapped layers the distilled rows lack
         raise ValueError(f"{heads_dir}: recalibrating EAGLE-3 heads is not supported yet")
     train_file = Path(config.prompts) if config.prompts else _train_prompts_file()
@@ -382,9 +389,9 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             agreement(module, train_rows),
             agreement(module, heldout_rows),
         )
-        if config.vocab_only:  # no training: the adapter's frequent tokens alone
+        if config.vocab_only:  # no training: the adapter's tokens added to the drafts' vocabulary
             counts = data.response_token_counts(module.target.vocab_size)  # [vocab]
-            vocab, _ = frequent_tokens(counts, config.loss_vocab_size)
+            vocab = adapter_vocab(draft_vocab_of(module.heads), counts)
             losses: list[float] = []
             train_after, heldout_after = train_before, heldout_before
         else:

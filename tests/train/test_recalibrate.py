@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from tiny_models import VOCAB_SIZE
 from train_helpers import write_prompts
 
 from selfspec.adapters import AdapterStore
@@ -21,8 +23,10 @@ from selfspec.cli import main
 from selfspec.fingerprint import fingerprint_of
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import HeadKind, build_heads, heads_config_for, load_heads, save_heads
+from selfspec.heads.draft_vocab import set_draft_vocab
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 
+VOCAB = VOCAB_SIZE
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAIN = [f"say {w} {n}" for w in ("hi", "no", "yes", "ok", "go", "up", "on", "at") for n in "12"]
 HELDOUT = ["say so 7", "say we 9", "say it 4", "say me 5"]
@@ -45,7 +49,10 @@ def make_adapter(base_dir: Path, path: Path, seed: int = 3) -> Path:
 def setup(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recalibrate")
     model = load_target(TargetSpec(model=str(tiny_target))).model
-    heads = build_heads(heads_config_for(model, HeadKind.EAGLE))  # the "base heads"
+    # The "base heads", drafting from the even token ids (a draft vocabulary the adapter's
+    # deltas extend).
+    heads = build_heads(heads_config_for(model, HeadKind.EAGLE, draft_vocab_size=(VOCAB + 1) // 2))
+    set_draft_vocab(heads, torch.arange(0, VOCAB, 2))
     paths = {
         "root": root / "adapters",
         "adapter": make_adapter(tiny_target, root / "adapters" / "loud"),
@@ -198,13 +205,14 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
 ) -> None:
     run = argv(tiny_target, setup, "--delta-rank", "4", "--lr", "1e-2", "--out", str(tmp_path))
-    run += ["--loss-vocab-size", "48"]
     assert main(run) == 0
     delta_dir = setup["adapter"] / "heads-delta"
     record = json.loads((delta_dir / "delta.json").read_text())
     assert record["rank"] == 4 and record["recalibrated_for"] == "loud"
-    # It carries the adapted target's own frequent tokens as its draft vocabulary.
-    assert record["draft_vocab_size"] == record["loss_vocab_size"] == 48
+    # Its draft vocabulary: the shared heads' plus the adapted target's own tokens.
+    vocab = load_file(str(delta_dir / "delta.safetensors"))["draft_vocab"]
+    assert VOCAB // 2 < record["draft_vocab_size"] == len(vocab) <= VOCAB
+    assert set(range(0, VOCAB, 2)) <= set(vocab.tolist())
     full = (setup["adapter"] / "heads" / "model.safetensors").stat().st_size
     assert (delta_dir / "delta.safetensors").stat().st_size < 0.5 * full
     delta_report = json.loads((tmp_path / "recalibration.json").read_text())
@@ -217,26 +225,22 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
 def test_a_vocabulary_only_delta_needs_no_training(
     report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
 ) -> None:
-    """``--vocab-only``: a delta of no low-rank pairs that gives the adapter its own frequent
-    tokens as draft vocabulary, measured like any other (lossless); it needs a delta rank and a
-    vocabulary size."""
-    from safetensors.torch import load_file
+    """``--vocab-only``: a delta of no low-rank pairs that adds the adapter's own response
+    tokens to the shared draft vocabulary, measured like any other (lossless); not with
+    ``--delta-rank 0``."""
+    from selfspec.train.recalibrate import RecalibrateConfig
 
     run = argv(tiny_target, setup, "--delta-rank", "4", "--vocab-only", "--overwrite")
-    run += ["--loss-vocab-size", "40", "--out", str(tmp_path)]
-    assert main(run) == 0
+    assert main([*run, "--out", str(tmp_path)]) == 0
     delta_dir = setup["adapter"] / "heads-delta"
     record = json.loads((delta_dir / "delta.json").read_text())
     assert record["vocab_only"] and record["steps"] == 0 and record["modules"] == []
-    assert list(load_file(str(delta_dir / "delta.safetensors"))) == ["draft_vocab"]
-    assert record["draft_vocab_size"] == 40
+    tensors = load_file(str(delta_dir / "delta.safetensors"))
+    assert list(tensors) == ["draft_vocab"] and len(tensors["draft_vocab"]) > VOCAB // 2
     delta_report = json.loads((tmp_path / "recalibration.json").read_text())
     assert all(row["lossless"] for row in delta_report["rows"])
-    from selfspec.train.recalibrate import RecalibrateConfig
-
-    for bad in ({"delta_rank": 0}, {"loss_vocab_size": 0}):
-        with pytest.raises(ValueError, match="--vocab-only"):
-            RecalibrateConfig(adapter="a", vocab_only=True, **bad)
+    with pytest.raises(ValueError, match="--vocab-only"):
+        RecalibrateConfig(adapter="a", vocab_only=True, delta_rank=0)
 
 
 def test_learning_rate_and_steps_default_to_what_is_trained() -> None:
