@@ -58,21 +58,11 @@ from selfspec.cli_args import parse_dataclass
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
 from selfspec.heads.checkpoint import read_heads_config
-from selfspec.heads.delta import (
-    DELTA_DIR,
-    Delta,
-    DeltaBank,
-    DeltaConfig,
-    heads_hash,
-    load_delta,
-    save_delta,
-)
-from selfspec.heads.draft_vocab import draft_vocab_of
+from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaConfig, load_delta
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
-from selfspec.train.draft_vocab import adapter_vocab
 from selfspec.train.losses import eagle_loss, medusa_loss, response_positions
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.prompts import OnBadLine, read_prompts
@@ -156,13 +146,6 @@ class RecalibrateConfig:
         default=False, metadata={"help": "replace heads the adapter already carries"}
     )
     seed: int = field(default=0, metadata={"help": "seed of data order and training"})
-    vocab_only: bool = field(
-        default=False,
-        metadata={
-            "help": "no training: a delta that only adds the adapter's own response tokens to "
-            "the shared heads' draft vocabulary"
-        },
-    )
     delta_rank: int = field(
         default=16,
         metadata={
@@ -192,8 +175,6 @@ class RecalibrateConfig:
 
     def __post_init__(self) -> None:
         parse_tree_spec(self.tree)
-        if self.vocab_only and not self.delta_rank:
-            raise ValueError("--vocab-only makes a delta (a draft vocabulary): not --delta-rank 0")
         for name in ("max_prompts", "eval_prompts", "batch_size", "eagle_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(
@@ -323,11 +304,6 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     heads_dir = _heads_dir(config.heads, is_default)
     old_heads = load_heads(heads_dir, model)  # refuses heads of another base
     kind = read_heads_config(heads_dir)[0].kind
-    if config.vocab_only and draft_vocab_of(old_heads) is None:
-        raise ValueError(
-            f"{heads_dir}: these heads draft from the whole vocabulary; a vocabulary-only "
-            "delta would change nothing"
-        )
     if kind is HeadKind.EAGLE3:  # its training reads tapped layers the distilled rows lack
         raise ValueError(f"{heads_dir}: recalibrating EAGLE-3 heads is not supported yet")
     train_file = Path(config.prompts) if config.prompts else _train_prompts_file()
@@ -389,15 +365,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             agreement(module, train_rows),
             agreement(module, heldout_rows),
         )
-        if config.vocab_only:  # no training: the adapter's tokens added to the drafts' vocabulary
-            counts = data.response_token_counts(module.target.vocab_size)  # [vocab]
-            vocab = adapter_vocab(draft_vocab_of(module.heads), counts)
-            losses: list[float] = []
-            train_after, heldout_after = train_before, heldout_before
-        else:
-            losses = _fit(module, data, config)
-            train_after = agreement(module, train_rows)
-            heldout_after = agreement(module, heldout_rows)
+        losses = _fit(module, data, config)
+        train_after, heldout_after = agreement(module, train_rows), agreement(module, heldout_rows)
 
         # 3. save beside the adapter (atomic; the store and `selfspec eval` pick it up)
         _refuse_existing(destination, config.overwrite)
@@ -416,12 +385,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
         }
         if delta is not None:
             record["delta_rank"] = delta.rank
-        if config.vocab_only:
-            record["vocab_only"] = True
-            shared = Delta(delta, heads_hash(module.heads), {}, vocab)
-            save_delta(shared, destination, extra=record)
-        else:
-            module.export(destination, extra=record)
+        module.export(destination, extra=record)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -222,27 +222,6 @@ def test_a_delta_learns_the_adapted_target_at_a_fraction_of_the_size(
     assert delta_report["heads_path"] == str(delta_dir.resolve())
 
 
-def test_a_vocabulary_only_delta_needs_no_training(
-    report: dict, setup: dict[str, Path], tiny_target: Path, tmp_path: Path
-) -> None:
-    """``--vocab-only``: a delta of no low-rank pairs that adds the adapter's own response
-    tokens to the shared draft vocabulary, measured like any other (lossless); not with
-    ``--delta-rank 0``."""
-    from selfspec.train.recalibrate import RecalibrateConfig
-
-    run = argv(tiny_target, setup, "--delta-rank", "4", "--vocab-only", "--overwrite")
-    assert main([*run, "--out", str(tmp_path)]) == 0
-    delta_dir = setup["adapter"] / "heads-delta"
-    record = json.loads((delta_dir / "delta.json").read_text())
-    assert record["vocab_only"] and record["steps"] == 0 and record["modules"] == []
-    tensors = load_file(str(delta_dir / "delta.safetensors"))
-    assert list(tensors) == ["draft_vocab"] and len(tensors["draft_vocab"]) > VOCAB // 2
-    delta_report = json.loads((tmp_path / "recalibration.json").read_text())
-    assert all(row["lossless"] for row in delta_report["rows"])
-    with pytest.raises(ValueError, match="--vocab-only"):
-        RecalibrateConfig(adapter="a", vocab_only=True, delta_rank=0)
-
-
 def test_learning_rate_and_steps_default_to_what_is_trained() -> None:
     """A delta (its low-rank pairs start at zero) trains at 3e-3 for 150 steps unless told, a
     full copy at 3e-4 for 60; given values are used as they are; bad ones are refused."""
