@@ -11,9 +11,10 @@ a rank-r pair (A # [r, in], B # [out, r]) with W' = W + (alpha / r) B A. At rank
   registered adapter's pair and applies the active one; ``bank.active(name)`` selects it for the
   duration of a request's drafting (None: the shared heads alone). Switching is a pointer; the
   shared weights are never copied or changed.
-- Draft vocabulary: a delta may carry its own (``Delta.draft_vocab``, the adapter's most
-  frequent response tokens, 64 KB at 8192); while it is active the drafts' projection reads
-  those rows of the target's lm_head in place (``selfspec.drafting.projection``).
+- Draft vocabulary: a delta may carry its own (``Delta.draft_vocab``: recalibration gives it
+  the shared heads' plus the adapter's own response tokens, ~68 KB of ids); while it is active
+  the drafts' projection reads those rows of the target's lm_head in place
+  (``selfspec.drafting.projection``).
 - Files (``save_delta`` / ``load_delta``): ``delta.safetensors`` (``<module>.lora_A`` /
   ``<module>.lora_B``, and ``draft_vocab`` if it has one) and ``delta.json`` (rank, alpha,
   modules, and the hash of the shared heads they correct: a delta is refused on other heads).
@@ -149,8 +150,8 @@ class Delta:
     draft_vocab: torch.Tensor | None = None
     """# [N] token ids (ascending) the adapter's drafts come from, or None: the shared heads'.
     An adapter that shifts what the target writes shifts its frequent tokens too: the default
-    model's `shout` (capitals) shares 605 of 8192 with the base's, and its heads recalibrated
-    in full reach τ 1.91 drafting from their own, 1.61 from the base's."""
+    model's `shout` (capitals): its 8192 most frequent share 605 with the base's, and its heads
+    recalibrated in full reach τ 1.91 drafting from their own, 1.61 from the base's."""
 
     @property
     def nbytes(self) -> int:
