@@ -185,6 +185,7 @@ class DraftedStep:
     """Set when the tree's size is left to the caller (``draft(joint=True)``): how this
     request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
     drafting_seconds: float = 0.0
+    """What drafting this tree took (joint sizing counts it in the round's time)."""
 
 
 MAX_DEFERRED_TOKENS = 64
