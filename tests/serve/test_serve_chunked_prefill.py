@@ -13,6 +13,7 @@ from selfspec.generation import GenerationStream
 
 LONG = "Once upon a time there was a long prompt that goes on. " * 4
 SHORT = "hi"
+SHORT_TOKENS = 240  # decodes for long enough that the long prompt arrives while it runs
 
 
 def _complete(url: str, prompt: str, max_tokens: int) -> str:
@@ -27,7 +28,7 @@ def test_a_long_prompt_is_prefilled_between_the_others_rounds(
     server_for, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with server_for(prefill_chunk=0) as (url, _, _):
-        whole = [_complete(url, SHORT, 40), _complete(url, LONG, 8)]
+        whole = [_complete(url, SHORT, SHORT_TOKENS), _complete(url, LONG, 8)]
     events: list[tuple[str, int]] = []  # ("prefill", remaining after) / ("decode", 0), in order
     prefill, after_step = GenerationStream.prefill, GenerationStream._after_step
 
@@ -45,7 +46,7 @@ def test_a_long_prompt_is_prefilled_between_the_others_rounds(
     with server_for(prefill_chunk=4, max_running=4) as (url, state, _):
         assert state.engine.prefill_chunk == 4
         short: list[str] = []
-        first = threading.Thread(target=lambda: short.append(_complete(url, SHORT, 40)))
+        first = threading.Thread(target=lambda: short.append(_complete(url, SHORT, SHORT_TOKENS)))
         first.start()
         for _ in range(3000):  # until the short one is decoding
             if any(kind == "decode" for kind, _ in events):
