@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from selfspec.fused_layer import FusedLayer, fusable_input
+from selfspec.fused_layer import FusedLayer, fusable_input, hooked
 from selfspec.kernels import extension
 from selfspec.linear_deltas import Delta, DeltaHook, delta_hook
 from selfspec.reader_hooks import reader_hooks
@@ -67,7 +67,7 @@ class FusedBody:
         if (
             not fusable_input(hidden)
             or any(children.get(name) is not module for children, name, module in self._children)
-            or any(m._forward_hooks or m._forward_pre_hooks for m in self._unhooked)
+            or hooked(*self._unhooked)
         ):
             return None
         hooks: list | None = None
@@ -90,7 +90,7 @@ class FusedBody:
 
     def _current_plan(self):
         """The body plan, rebuilt from layers whose weights changed (in place or replaced)."""
-        key = [
+        key = [  # fused_layer's _tensor_key inlined: a call per tensor costs what this saves
             None if (tensor := params[name]) is None else (tensor.data_ptr(), tensor._version)
             for params, name in self._tensors
         ]

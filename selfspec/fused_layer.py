@@ -77,7 +77,8 @@ def _linears(attention: nn.Module, mlp: nn.Module) -> tuple[nn.Module, ...]:
     )
 
 
-def _hooked(*modules: nn.Module) -> bool:
+def hooked(*modules: nn.Module) -> bool:
+    """Whether any of ``modules`` has a forward or forward pre-hook."""
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
@@ -138,11 +139,11 @@ class FusedLayer:
         ``selfspec.fused_body``, which also allows reader and delta hooks.)"""
         if not fusable_input(hidden) or self._modules_replaced():
             return NOT_FUSED
-        linear_ok = [not _hooked(linear) for linear in self.linears]
+        linear_ok = [not hooked(linear) for linear in self.linears]
         parts = FusedParts(
-            attention_inputs=not _hooked(self.norms[0]) and all(linear_ok[:3]),
+            attention_inputs=not hooked(self.norms[0]) and all(linear_ok[:3]),
             attention_output=linear_ok[3],
-            mlp=not _hooked(*self.mlp_modules) and all(linear_ok[4:]),
+            mlp=not hooked(*self.mlp_modules) and all(linear_ok[4:]),
         )
         if parts != NOT_FUSED:
             self.refresh_plan()

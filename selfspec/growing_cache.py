@@ -82,12 +82,12 @@ class GrowingLayer(DynamicLayer):
         if self._key_buffer is None or self._key_buffer.shape[0] != key_like.shape[0]:
             if start:
                 raise ValueError("the batch size of a growing cache cannot change mid-sequence")
-            self._key_buffer = _buffer_like(key_like, max(MIN_CAPACITY, end))
-            self._value_buffer = _buffer_like(value_like, max(MIN_CAPACITY, end))
+            self._key_buffer = buffer_like(key_like, max(MIN_CAPACITY, end))
+            self._value_buffer = buffer_like(value_like, max(MIN_CAPACITY, end))
         elif end > min(self._key_buffer.shape[-2], self._value_buffer.shape[-2]):
             capacity = max(2 * self._key_buffer.shape[-2], end)
-            self._key_buffer = _grown(self._key_buffer, start, capacity)
-            self._value_buffer = _grown(self._value_buffer, start, capacity)
+            self._key_buffer = grown_buffer(self._key_buffer, start, capacity)
+            self._value_buffer = grown_buffer(self._value_buffer, start, capacity)
         return self._key_buffer, self._value_buffer, start
 
     def extend(self, new: int) -> None:
@@ -132,14 +132,16 @@ def supports_growing(config) -> bool:
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
+def buffer_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
+    """An empty buffer for ``capacity`` entries shaped as ``states`` # [B, h, n, D]."""
     batch, heads, _, dim = states.shape
     return states.new_empty(batch, heads, capacity, dim)
 
 
-def _grown(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
-    batch, heads, _, dim = buffer.shape
-    out = buffer.new_empty(batch, heads, capacity, dim)
+def grown_buffer(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    """``buffer`` # [B, h, c, D] moved into one of ``capacity`` entries, its first ``length``
+    kept."""
+    out = buffer_like(buffer, capacity)
     out[:, :, :length] = buffer[:, :, :length]
     return out
 

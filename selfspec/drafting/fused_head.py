@@ -23,6 +23,7 @@ import math
 import torch
 from torch import nn
 
+from selfspec.fused_layer import hooked
 from selfspec.heads.eagle import EagleCache, EagleHead, rotary
 from selfspec.kernels import extension
 from selfspec.kernels.modules import KernelLinear
@@ -96,7 +97,7 @@ class FusedEagleHead:
         weights = []
         for layer in head.layers:
             linears = (layer.qkv, layer.out, layer.gate_up, layer.down)
-            if _hooked(layer, layer.attn_norm, layer.mlp_norm, *linears):
+            if hooked(layer, layer.attn_norm, layer.mlp_norm, *linears):
                 return None
             found = [_kernel_weight(linear) for linear in linears]
             if any(weight is None for weight in found):
@@ -119,16 +120,12 @@ class FusedEagleHead:
         return self._plan
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
 def _kernel_weight(linear: nn.Module) -> KernelWeight | None:
     """The kernel weight a head linear layer computes with now, or None if it adds anything
     (a draft delta active for this request) or is not on the kernels."""
     base = getattr(linear, "base", None)  # a DeltaBank's BankedLinear
     if base is not None:
-        if linear.pairs.get(linear._bank.current) is not None or _hooked(base):
+        if linear.pairs.get(linear._bank.current) is not None or hooked(base):
             return None
         linear = base
     if type(linear) is not KernelLinear or linear.bias is not None:

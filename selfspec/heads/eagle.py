@@ -16,11 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.growing_cache import MIN_CAPACITY, buffer_like, grown_buffer
 from selfspec.heads.config import HeadKind, HeadsConfig
 from selfspec.heads.draft_vocab import register_draft_vocab
 from selfspec.heads.registry import register_heads
-
-MIN_CAPACITY = 64
 
 
 @dataclass
@@ -82,13 +81,14 @@ class EagleCache:
         extra = k_like.shape[-2]
         if layer == len(self.buffers):
             capacity = max(MIN_CAPACITY, 2 * extra)
-            self.buffers.append((_empty_like(k_like, capacity), _empty_like(v_like, capacity)))
+            self.buffers.append((buffer_like(k_like, capacity), buffer_like(v_like, capacity)))
             self.lengths.append(0)
         keys, values = self.buffers[layer]
         start = self.lengths[layer]
         if start + extra > keys.shape[-2]:
             capacity = max(2 * keys.shape[-2], start + extra)
-            keys, values = _grown(keys, start, capacity), _grown(values, start, capacity)
+            keys = grown_buffer(keys, start, capacity)
+            values = grown_buffer(values, start, capacity)
             self.buffers[layer] = (keys, values)
         return keys, values, start
 
@@ -111,17 +111,6 @@ class EagleCache:
 
     def crop(self, length: int) -> None:
         self.lengths = [min(n, length) for n in self.lengths]
-
-
-def _empty_like(states: torch.Tensor, capacity: int) -> torch.Tensor:
-    batch, heads, _, dim = states.shape
-    return states.new_empty(batch, heads, capacity, dim)
-
-
-def _grown(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
-    out = _empty_like(buffer, capacity)
-    out[..., :length, :] = buffer[..., :length, :]
-    return out
 
 
 class AttentionCache(Protocol):
