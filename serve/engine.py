@@ -421,9 +421,9 @@ class Engine:
             except Exception as error:
                 self._fail(job, error)
                 left.append(job)
+        drafted = self._sized_together(drafted, left)
         if not drafted:
             return left
-        drafted = self._sized_together(drafted, left)
         if len(drafted) == 1:
             job, step = drafted[0]
             self.metrics.batch_size.observe(1)
@@ -463,7 +463,7 @@ class Engine:
         """The round's adaptive trees cut to one node count chosen for the whole forward
         (``joint_keep``: rows are padded to the largest tree, so that count is what the batch
         pays for); other trees as drafted. A job whose resize fails leaves (in ``left``)."""
-        sized = [(job, step) for job, step in drafted if step.sizer is not None]
+        sized = [step for _, step in drafted if step.sizer is not None]
         if not sized:
             return drafted
         fixed = max((s.tree.size for _, s in drafted if s.sizer is None), default=1)
@@ -473,7 +473,7 @@ class Engine:
                 step.tree.scores[1:].sort(descending=True).values.tolist(),
                 step.drafting_seconds,
             )
-            for _, step in sized
+            for step in sized
         ]
         count = joint_keep(candidates, batch_size=len(drafted), min_tokens=fixed)
         out = []
