@@ -74,6 +74,11 @@ class GenerationConfig:
     prefix_namespace: str | None = None
     """With the generator's ``prefix_cache``: the namespace (the request's adapter, or the base
     model's name) whose cached prompt prefixes this request may reuse and extend; None: none."""
+    record_features: bool = False
+    """Keep the target's last hidden state at every position of prompt and output (float16, on
+    the CPU) and return them as ``GenerationResult.features``: a drafter's training rows for
+    this request's adapter, as a by-product of serving it (``selfspec.serve.recalibration``).
+    Speculating requests whose heads read the last hidden state (Medusa, EAGLE) only."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -117,6 +122,10 @@ class GenerationResult:
     """One per generated token, when asked for."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """One per prompt token (None for the first), when asked for."""
+    features: torch.Tensor | None = None
+    """With ``GenerationConfig.record_features``: the target's last hidden state at each
+    position of prompt + ``token_ids`` but the last, the features a drafter reads there.
+    # [S + N - 1, H] float16"""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +175,9 @@ class RequestState:
     """Steps committed without drafting (the server's speculation gate said no), not yet given
     to the drafter: each one's (features # [A, F], tokens # [A]) of the accepted path, root
     first. The next drafting step advances the draft state over all of them in one call."""
+    recorded_features: list[torch.Tensor] | None = None
+    """With ``GenerationConfig.record_features``: the last hidden states of every committed
+    position so far, in order (the prompt's, then each step's accepted path) # [n_i, H] fp16."""
 
     @property
     def calibration(self) -> float:
@@ -384,6 +396,8 @@ class SpeculativeGenerator:
         if config.speculate:
             with record_function("selfspec.draft_prefill"):
                 state.draft_state = self.drafter.start(draft_features, prompt, first)
+            if config.record_features and progress.taps is None:
+                state.recorded_features = [_recorded(draft_features)]
         return state
 
     def _cached_prefix(
@@ -545,6 +559,8 @@ class SpeculativeGenerator:
             commit_accepted(state.cache, state.committed_len, verdict.accepted)
             state.committed_len += int(verdict.accepted.shape[0])
             accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
+        if state.recorded_features is not None:
+            state.recorded_features.append(_recorded(features[verdict.accepted]))
         if config.speculate:
             draft_features = features if state.taps is None else _take_draft_features(state)
             path_features = draft_features[verdict.accepted]  # [A, F]
@@ -615,6 +631,10 @@ class GenerationStream:
     @property
     def owner(self) -> SpeculativeGenerator:
         return self._owner
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._prompt_ids
 
     @property
     def trees_may_vary(self) -> bool:
@@ -752,6 +772,7 @@ class GenerationStream:
             stats=state.stats,
             logprobs=state.logprobs,
             prompt_logprobs=state.prompt_logprobs,
+            features=_recorded_rows(state, len(self._prompt_ids)),
         )
 
     def _commit(self, state: RequestState, tokens: list[int], stop_ids: set[int]) -> StepOutput:
@@ -800,6 +821,23 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
         if index >= 0 and (found is None or index < found):
             found = index
     return found
+
+
+def _recorded(features: torch.Tensor) -> torch.Tensor:
+    """Features kept for ``GenerationConfig.record_features`` # [n, H] float16 on the CPU."""
+    return features.detach().to("cpu", torch.float16)
+
+
+def _recorded_rows(state: RequestState, prompt_len: int) -> torch.Tensor | None:
+    """The recorded features of the prompt and the kept output but its last token
+    # [S + N - 1, H], or None when none were recorded."""
+    if state.recorded_features is None:
+        return None
+    rows = prompt_len + len(state.token_ids) - 1
+    features = torch.cat(state.recorded_features)
+    if features.shape[0] < rows:  # a prefix reused without its features: nothing usable
+        return None
+    return features[:rows]
 
 
 def _take_draft_features(state: RequestState) -> torch.Tensor:

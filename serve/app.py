@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +31,7 @@ from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
 from selfspec.heads import load_heads
-from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaError, load_delta
+from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaError, load_delta, save_delta
 from selfspec.logprobs import TokenLogprob
 from selfspec.prefix_cache import PrefixCache
 from selfspec.sampling import SamplingParams
@@ -41,6 +42,7 @@ from selfspec.serve.guard import AccessPolicy, Guard
 from selfspec.serve.logprobs_format import TokenTexts, chat_logprobs, completion_logprobs
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
+from selfspec.serve.recalibration import Outcome, RecalibrationPolicy, ServedRecalibrator
 from selfspec.serve.speculation_gate import SpeculationGate
 from selfspec.stats import GenerationStats
 from selfspec.target import apply_chat_template
@@ -81,9 +83,16 @@ class ServerState:
     """Prompt prefixes' KV reused across requests, per adapter; used only where it is exact
     (the target on the row-invariant kernels), else turned off with a warning."""
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    """API key, allowed hosts, body limit (see ``serve.guard``)."""
     drift: DriftConfig = field(default_factory=DriftConfig)
     """When an adapter counts as drifting from the base's draft acceptance (``serve.drift``)."""
-    """API key, allowed hosts, body limit (see ``serve.guard``)."""
+    recalibration: RecalibrationPolicy | None = None
+    """Opt-in: recalibrate drifting adapters' draft deltas from their served outputs, in the
+    background (``serve.recalibration``); needs ``heads_dir``."""
+    heads_dir: Path | None = None
+    """Where the shared heads were loaded from (the recalibration process reads them)."""
+    target_model: str | None = None
+    """The target as a process loads it (a local dir or .gguf; None: the embedded default)."""
     request_timeout: float | None = None
     """Seconds a request may take from admission to its last token; then it is cancelled and
     answered 504 (a stream ends with an error event). None: no deadline."""
@@ -103,6 +112,7 @@ class ServerState:
     delta_bank: DeltaBank | None = field(default=None, init=False)
     """Adapters' draft deltas over the shared heads (``selfspec.heads.delta``), loaded on each
     adapter's first request."""
+    recalibrator: ServedRecalibrator | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.texts = TokenTexts(self.tokenizer)
@@ -127,6 +137,69 @@ class ServerState:
             self.prefill_chunk,
         )
         self.served = set(self.store.names()) if self.store is not None else set()
+        if self.recalibration is not None:
+            self._start_recalibrator(self.recalibration)
+
+    def _start_recalibrator(self, policy: RecalibrationPolicy) -> None:
+        if self.store is None or not self.can_speculate or self.heads_dir is None:
+            raise ValueError(
+                "background recalibration needs adapters, draft heads and their directory"
+            )
+        self.recalibrator = ServedRecalibrator(
+            policy,
+            self.heads_dir,
+            self.target_model,
+            self.metrics.drift,
+            install=self.install_delta,
+            current_delta=self._delta_on_disk,
+            on_outcome=self._count_outcome,
+        )
+        recalibrator = self.recalibrator
+
+        def collect(job, result: GenerationResult) -> None:
+            recalibrator.collect(job.adapter, job.stream.prompt_ids, result)
+
+        self.engine.on_finished = collect
+
+    def records_features(self, adapter: str | None, generator: SpeculativeGenerator) -> bool:
+        """Whether a speculating request on ``adapter`` drafting with ``generator`` should
+        record its features for background recalibration."""
+        return (
+            self.recalibrator is not None
+            and generator is self.generator  # the shared heads (not the adapter's own copy)
+            and self.recalibrator.wants(adapter)
+        )
+
+    def install_delta(self, adapter: str, directory: Path) -> None:
+        """Swap ``directory``'s draft delta in for ``adapter`` between two engine rounds (and,
+        with the policy's ``save``, write it to ``<adapter>/heads-delta/``). Raises DeltaError
+        for a delta these heads cannot use, KeyError for an adapter no longer served."""
+        with self.lock:
+            if adapter not in self.served:
+                raise KeyError(f"adapter {adapter!r} is no longer served")
+            known = self.delta_bank.hash if self.delta_bank is not None else None
+        delta = load_delta(directory, self.generator.heads, known)
+
+        def swap() -> None:  # on the engine's worker: no round is drafting
+            with self.lock:
+                if adapter not in self.served:
+                    return
+                if self.delta_bank is None:
+                    self.delta_bank = DeltaBank(self.generator.heads)
+                self.delta_bank.add(adapter, delta)
+            self.metrics.drift.forget(adapter)  # its averages now measure the new delta
+
+        self.engine.between_rounds(swap)
+        if self.recalibration is not None and self.recalibration.save:
+            save_delta(delta, self.store.info(adapter).path / DELTA_DIR, {"source": "served"})
+
+    def _delta_on_disk(self, adapter: str) -> Path | None:
+        bank = self.delta_bank
+        directory = self.store.info(adapter).path / DELTA_DIR
+        return directory if bank is not None and adapter in bank and directory.is_dir() else None
+
+    def _count_outcome(self, outcome: Outcome) -> None:
+        self.metrics.recalibrations.labels(outcome.adapter, outcome.outcome).inc()
 
     @property
     def can_speculate(self) -> bool:
@@ -203,6 +276,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.engine.start()
         yield
         await run_in_threadpool(state.engine.shutdown, state.drain_timeout)
+        if state.recalibrator is not None:
+            await run_in_threadpool(state.recalibrator.close)
 
     app = FastAPI(title="selfspec", lifespan=lifespan)
     app.state.selfspec = state
@@ -357,6 +432,7 @@ async def _serve(
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.echo and parsed.logprobs is not None,
         prefix_namespace=(adapter or state.model_name) if state.prefix_cache is not None else None,
+        record_features=speculate and state.records_features(adapter, generator),
     )
     streams = []
     for index in range(parsed.n):
@@ -733,6 +809,8 @@ def _unload_adapter(state: ServerState, name: str) -> None:
             state.served.add(name)
         raise bad_request(f"cannot unload adapter {name!r}: {error}", "lora_name") from error
     state.metrics.forget(name)
+    if state.recalibrator is not None:
+        state.recalibrator.forget(name)
     if state.delta_bank is not None:
         state.delta_bank.remove(name)
     if state.prefix_cache is not None:

@@ -127,6 +127,27 @@ class ServeArgs(TargetOptions):
             "this share of the base's; 0: never"
         },
     )
+    recalibrate: str = field(
+        default="off",
+        metadata={
+            "help": "background recalibration from served outputs: drift (adapters flagged by "
+            "--drift-threshold record their requests' features; a draft delta trained on them in "
+            "a separate low-priority process is swapped in when it measures better on a "
+            "held-back slice; outputs never change) | always (every adapter once, then when "
+            "flagged) | off"
+        },
+    )
+    recalibrate_conversations: int = field(
+        default=64,
+        metadata={"help": "served requests gathered per background recalibration"},
+    )
+    recalibrate_save: bool = field(
+        default=False,
+        metadata={
+            "help": "also write a delta swapped in by background recalibration to "
+            "<adapter>/heads-delta/ (default: it lives until the server stops)"
+        },
+    )
     api_key: str | None = field(
         default=None,
         metadata={
@@ -190,6 +211,16 @@ class ServeArgs(TargetOptions):
         parse_tree_spec(self.tree)
         if not 0 <= self.drift_threshold <= 1:
             raise ValueError(f"--drift-threshold must be in [0, 1], got {self.drift_threshold}")
+        if self.recalibrate not in ("off", "drift", "always"):
+            raise ValueError(
+                f"--recalibrate must be off, drift or always, got {self.recalibrate!r}"
+            )
+        if self.recalibrate != "off" and self.heads == "none":
+            raise ValueError("--recalibrate needs draft heads (not --heads none)")
+        if self.recalibrate_conversations < 4:
+            raise ValueError(
+                f"--recalibrate-conversations must be >= 4, got {self.recalibrate_conversations}"
+            )
         if self.prefix_cache_mb < 0:
             raise ValueError(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_mb}")
         if self.max_body_bytes < 1024:
@@ -226,14 +257,16 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
     from selfspec.serve.app import ServerState
     from selfspec.serve.drift import DriftConfig
+    from selfspec.serve.recalibration import RecalibrationPolicy
     from selfspec.shipped import resolve_heads_dir
     from selfspec.target import load_target
 
     target = load_target(args.target_spec())
     is_default = args.is_default_target
-    heads = None
+    heads = heads_dir = None
     if args.heads != "none":
-        heads = load_heads(resolve_heads_dir(args.heads, is_default), target.model)
+        heads_dir = resolve_heads_dir(args.heads, is_default)
+        heads = load_heads(heads_dir, target.model)
     root = args.adapters_root
     if root is None and is_default and not args.lora_modules:
         root = examples_root()
@@ -271,6 +304,17 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         access=access_policy(args),
         request_timeout=args.request_timeout,
         drift=DriftConfig(threshold=args.drift_threshold),
+        recalibration=(
+            None
+            if args.recalibrate == "off"
+            else RecalibrationPolicy(
+                trigger=args.recalibrate,
+                conversations=args.recalibrate_conversations,
+                save=args.recalibrate_save,
+            )
+        ),
+        heads_dir=heads_dir,
+        target_model=None if is_default else args.model,
         prefix_cache=(
             PrefixCache(PrefixCacheConfig(max_bytes=args.prefix_cache_mb << 20))
             if args.prefix_cache_mb

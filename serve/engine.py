@@ -26,6 +26,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -175,6 +176,11 @@ class Engine:
         """Most requests ever interleaved at once."""
         self._waiting: FairQueue[Job] = FairQueue()  # round-robin across adapters
         self._running: list[Job] = []
+        self._chores: deque[Callable[[], None]] = deque()
+        """Work for the worker between two rounds (``between_rounds``)."""
+        self.on_finished: Callable[[Job, GenerationResult], None] | None = None
+        """Called on the worker with each job that completed and its result (a failure in it is
+        logged, never the request's)."""
         self._cond = threading.Condition()
         self._accepting = False
         self._stopping = False
@@ -239,6 +245,14 @@ class Engine:
                     return False
                 self._cond.wait(left)
             return True
+
+    def between_rounds(self, chore: Callable[[], None]) -> None:
+        """Run ``chore`` on the worker before its next round (at once when idle): a change to
+        what the rounds read (a draft delta swapped in) never lands in the middle of one. A
+        chore that raises is logged and dropped; the engine goes on."""
+        with self._cond:
+            self._chores.append(chore)
+            self._cond.notify_all()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -308,10 +322,20 @@ class Engine:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._running or self._stopping):
+                while not (self._waiting or self._running or self._stopping or self._chores):
                     self._cond.wait()
+                chores = list(self._chores)
+                self._chores.clear()
+            for chore in chores:
+                try:
+                    chore()
+                except Exception:
+                    logger.exception("a chore between engine rounds failed")
+            with self._cond:
                 if self._stopping and not (self._waiting or self._running):
                     return
+                if not (self._waiting or self._running):
+                    continue
                 while self._waiting and len(self._running) < self.max_running:
                     self._running.append(self._waiting.popleft())
                 self.peak_running = max(self.peak_running, len(self._running))
@@ -505,6 +529,11 @@ class Engine:
         result = job.stream.result
         self.metrics.latency.labels(job.label).observe(time.perf_counter() - job.admitted)
         self.metrics.record_finished(job.label, result.stats, job.speculate)
+        if self.on_finished is not None:
+            try:
+                self.on_finished(job, result)
+            except Exception:
+                logger.exception("the finished-request hook failed for a request on %s", job.label)
         self._finish(job, Event("done", result=result, index=job.index), "completed")
         return False
 

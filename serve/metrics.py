@@ -93,8 +93,16 @@ class ServerMetrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
+        self.recalibrations = Counter(
+            "selfspec_background_recalibrations",
+            "Background recalibrations from served outputs, by outcome (swapped: the new draft "
+            "delta measured better and drafts from now on; kept: it did not; failed)",
+            ["adapter", "outcome"],
+            registry=r,
+        )
         self._by_adapter = (
             self.requests,
+            self.recalibrations,
             self.prompt_tokens,
             self.generation_tokens,
             self.latency,

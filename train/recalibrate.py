@@ -365,7 +365,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             agreement(module, train_rows),
             agreement(module, heldout_rows),
         )
-        losses = _fit(module, data, config)
+        losses = fit_for_steps(module, data, config.steps, config.seed)
         train_after, heldout_after = agreement(module, train_rows), agreement(module, heldout_rows)
 
         # 3. save beside the adapter (atomic; the store and `selfspec eval` pick it up)
@@ -486,13 +486,17 @@ class _LossHistory(L.Callback):
         self.losses.append(float(loss))
 
 
-def _fit(module: HeadsModule, data: DistilledDataModule, config: RecalibrateConfig) -> list[float]:
+def fit_for_steps(
+    module: HeadsModule, data: DistilledDataModule, steps: int, seed: int
+) -> list[float]:
+    """Train ``module`` on ``data`` for ``steps`` optimizer steps (float32, no checkpoints, no
+    validation); the loss of every step."""
     history = _LossHistory()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         precision="32-true",
-        max_steps=config.steps,
+        max_steps=steps,
         max_epochs=-1,
         gradient_clip_val=module.optim.grad_clip,
         limit_val_batches=0,
@@ -504,7 +508,7 @@ def _fit(module: HeadsModule, data: DistilledDataModule, config: RecalibrateConf
         callbacks=[history],
     )
     with torch.random.fork_rng(devices=[]):  # data order; the caller's RNG is left alone
-        torch.manual_seed(config.seed)
+        torch.manual_seed(seed)
         trainer.fit(module, datamodule=data)
     module.heads.eval()
     return history.losses
