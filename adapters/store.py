@@ -321,6 +321,18 @@ class AdapterStore:
             self._evict(name)
             return True
 
+    def forget(self, name: str) -> None:
+        """Unload `name` and free the name: a later `register` may give it another directory
+        (an operator replacing an adapter under its name). A pinned adapter is refused."""
+        with self._lock:
+            self._get(name)
+            if self._pins[name]:
+                raise AdapterError(f"adapter {name!r} is pinned by a running request; not unloaded")
+            if name in self._resident:
+                self._evict(name)
+            del self._known[name]
+            self._pins.pop(name, None)
+
     @contextlib.contextmanager
     def pinned(self, name: str | None) -> Iterator[None]:
         """Keep `name` resident (never evicted) for the duration, e.g. of one request."""

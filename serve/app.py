@@ -803,7 +803,7 @@ def _unload_adapter(state: ServerState, name: str) -> None:
         busy = state.engine.in_flight(name)
         raise _adapter_busy(name, busy, f" after waiting {state.drain_timeout:g} s")
     try:
-        state.store.unload(name)
+        state.store.forget(name)  # the name is free: a later load may give it other weights
     except AdapterError as error:
         with state.lock:
             state.served.add(name)

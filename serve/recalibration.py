@@ -219,6 +219,11 @@ class ServedRecalibrator:
             if self._collecting == adapter:
                 self._collecting = None
 
+    @property
+    def training(self) -> str | None:
+        """The adapter whose delta is being trained, if any."""
+        return self._training
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no training runs (tests, shutdown). True if none does."""
         deadline = time.monotonic() + timeout
@@ -273,6 +278,10 @@ class ServedRecalibrator:
         with self._idle:
             self.outcomes.append(outcome)
             self._training = None
+            # Rows of a request admitted before this training began may have filled a set.
+            waiting = self._adapters.get(self._collecting) if self._collecting else None
+            if not self._closed and waiting and len(waiting.rows) >= self.policy.conversations:
+                self._start(self._collecting, waiting)
             self._idle.notify_all()
         if self._on_outcome is not None:
             self._on_outcome(outcome)

@@ -9,7 +9,7 @@ import torch
 from lora_helpers import reference_under
 
 from selfspec import GenerationConfig, SpeculativeGenerator, build_heads, heads_config_for
-from selfspec.adapters.errors import StoreFull, UnknownAdapter
+from selfspec.adapters.errors import AdapterError, StoreFull, UnknownAdapter
 from selfspec.adapters.store import AdapterStore, StoreConfig
 
 PROMPT = [5, 17, 33, 8, 60, 2, 44]
@@ -172,3 +172,18 @@ def test_switching_between_resident_adapters_without_reloading(
         tokens = generator.generate(PROMPT, VANILLA, scope=store.scope(name)).token_ids
         assert tokens == references[name], name
     assert store.resident() == ("attn", "mlp_down", "all.linear")
+
+
+def test_a_forgotten_name_can_be_given_other_weights(base, adapter_root, references) -> None:
+    store = AdapterStore(base, root=adapter_root)
+    generator = _generator(base)
+    _check(generator, store, "attn", references)
+    with store.pinned("attn"), pytest.raises(AdapterError, match="pinned"):
+        store.forget("attn")
+    store.forget("attn")
+    assert "attn" not in store.names() and "attn" not in store.resident()
+    with pytest.raises(UnknownAdapter):
+        store.load("attn")
+    store.register("attn", adapter_root / "mlp_down")  # an operator replacing it under its name
+    tokens = generator.generate(PROMPT, SPECULATIVE, scope=store.scope("attn")).token_ids
+    assert tokens == references["mlp_down"]

@@ -243,6 +243,11 @@ def test_runtime_adapter_load_and_unload_confined_to_the_root(main_server, asset
     assert httpx.post(unload, json={"lora_name": "attn2"}).status_code == 200
     _error(_complete(url, "attn2"), 404)
     _error(httpx.post(unload, json={"lora_name": "attn2"}), 404)
+    # the name is free again: loaded from other weights, it answers as those do
+    assert httpx.post(load, json={"lora_name": "attn2", "lora_path": "mlp"}).status_code == 200
+    swapped = _complete(url, "attn2").json()["choices"][0]["text"]
+    assert swapped == _complete(url, "mlp").json()["choices"][0]["text"] != same
+    assert httpx.post(unload, json={"lora_name": "attn2"}).status_code == 200
 
 
 def test_adapter_management_is_off_by_default(server_for) -> None:
