@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--eval-prompts", type=int, default=12)
+    parser.add_argument(
+        "--mild-rounds", type=int, default=8, help="base + mild-adapter requests before judging"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--tree", default="dynamic:4,4,8")
     parser.add_argument("--threads", type=int, default=1)
@@ -126,9 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         with running_server(state) as (url, _):
             client = Client(url, args.max_tokens)
             base = state.model_name
-            while (monitor.score("tenant") is None) or len(monitor.labels()) < 2:
-                for model in (base, "tenant"):
-                    client.chat(model, next(next_prompt))
+            rounds = 0
+            with tqdm(desc="mild adapter", unit="round") as bar:
+                while monitor.score("tenant") is None or rounds < args.mild_rounds:
+                    for model in (base, "tenant"):
+                        client.chat(model, next(next_prompt))
+                    rounds += 1
+                    bar.update()
+            record["mild_requests"] = rounds
             record["mild_score"] = round(monitor.score("tenant"), 3)
             record["mild_flagged"] = "tenant" in monitor.flagged()
 
@@ -193,8 +201,8 @@ def _markdown(r: dict) -> str:
         [
             "| step | result |",
             "|---|---|",
-            f"| mild adapter (`code`) drift score | {r['mild_score']} "
-            f"(flagged: {r['mild_flagged']}) |",
+            f"| mild adapter (`code`) drift score after {r['mild_requests']} requests (and as "
+            f"many on the base) | {r['mild_score']} (flagged: {r['mild_flagged']}) |",
             f"| swapped for `shout`: requests until flagged | {r['requests_until_flagged']} "
             f"(score {r['heavy_score']}) |",
             f"| background recalibration | {r['outcome']['outcome']}: held-back top-1 "

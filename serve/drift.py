@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 class DriftConfig:
     threshold: float = 0.8
     """Flag an adapter whose drift score falls below this; 0 never flags."""
-    alpha: float = 0.02
-    """Weight of each new step in the moving averages (~ the last 1/alpha steps count)."""
-    min_steps: int = 50
-    """Steps both the adapter and the base need before a score is given."""
+    alpha: float = 0.005
+    """Weight of each new step in the moving averages (~ the last 1/alpha steps count: a few
+    requests; one request's ~50 steps are too few, its prompt's difficulty dominates)."""
+    min_steps: int = 200
+    """Steps both the adapter and the base need before a score is given (~4 requests of 64
+    tokens; with 50, a mild adapter was flagged on its first request: score 0.45)."""
     depths: int = 3
 
     def __post_init__(self) -> None:

@@ -271,43 +271,73 @@ SS_INLINE V query_key(const float* q, const void* k, int64_t k_offset, int64_t D
   return acc;
 }
 
-// out[0:D] = sum over allowed keys i (in order) of p[i] * v[key i], one fused multiply-add per
-// key and lane; CHUNKS vectors of 16 lanes held in registers.
-template <bool BF16, int CHUNKS>
-SS_INLINE void weighted_values(const float* p, const int32_t* keys, int64_t count,
-                                   const void* v, int64_t v_base, int64_t D, float* out) {
-  V acc[CHUNKS];
-  for (int c = 0; c < CHUNKS; ++c) acc[c] = vzero();
+// out_j[0:D] = sum over allowed keys i (in order) of p_j[i] * v[key i] for the G heads j of one
+// key/value head, one fused multiply-add per key, head and lane: each value row is read once for
+// all G heads, and head j's sums are exactly what it would get alone. CHUNKS vectors of 16 lanes
+// per head held in registers; p_j = p + j * p_stride, out_j = out + j * D.
+template <bool BF16, int CHUNKS, int G>
+SS_INLINE void weighted_values(const float* p, int64_t p_stride, const int32_t* keys,
+                               int64_t count, const void* v, int64_t v_base, int64_t D,
+                               float* out) {
+  V acc[G][CHUNKS];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < CHUNKS; ++c) acc[j][c] = vzero();
   const int64_t full = D / 16;
   const int rest = static_cast<int>(D - full * 16);
   for (int64_t i = 0; i < count; ++i) {
-    const V weight = vset1(p[i]);
     const int64_t row = v_base + static_cast<int64_t>(keys[i]) * D;
+    V value[CHUNKS];
     for (int c = 0; c < CHUNKS; ++c) {
-      const V value = c < full ? load_kv<BF16>(v, row + 16 * c) : load_kv_n<BF16>(v, row + 16 * c, rest);
-      acc[c] = vfma(weight, value, acc[c]);
+      value[c] = c < full ? load_kv<BF16>(v, row + 16 * c) : load_kv_n<BF16>(v, row + 16 * c, rest);
+    }
+    for (int j = 0; j < G; ++j) {
+      const V weight = vset1(p[j * p_stride + i]);
+      for (int c = 0; c < CHUNKS; ++c) acc[j][c] = vfma(weight, value[c], acc[j][c]);
     }
   }
-  for (int c = 0; c < CHUNKS; ++c) {
-    alignas(64) float buffer[16];
-    vstore(buffer, acc[c]);
-    const int lanes = c < full ? 16 : rest;
-    for (int l = 0; l < lanes; ++l) out[16 * c + l] = buffer[l];
+  for (int j = 0; j < G; ++j) {
+    for (int c = 0; c < CHUNKS; ++c) {
+      alignas(64) float buffer[16];
+      vstore(buffer, acc[j][c]);
+      const int lanes = c < full ? 16 : rest;
+      for (int l = 0; l < lanes; ++l) out[j * D + 16 * c + l] = buffer[l];
+    }
   }
 }
 
-template <bool BF16>
-static void attend_one(const AttentionParams& p, int64_t item, float* scratch) {
-  const int64_t h = item % p.H, s = (item / p.H) % p.S, b = item / (p.H * p.S);
-  const int64_t T = p.T, D = p.D;
-  const int64_t kv_head = h / (p.H / p.Hkv);
-  const int64_t kv_base = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
-  const float* q = p.q + item * D;
-  float* scores = scratch;                                         // [allowed keys]
-  int32_t* keys = reinterpret_cast<int32_t*>(scratch + T + 16);    // [allowed keys]
-  float* out = p.out + item * D;
+template <bool BF16, int G>
+SS_INLINE void weighted_values_heads(const float* p, int64_t p_stride, const int32_t* keys,
+                                     int64_t count, const void* v, int64_t v_base, int64_t D,
+                                     float* out) {
+  switch ((D + 15) / 16) {
+    case 1: weighted_values<BF16, 1, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 2: weighted_values<BF16, 2, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 3: weighted_values<BF16, 3, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 4: weighted_values<BF16, 4, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 5: weighted_values<BF16, 5, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 6: weighted_values<BF16, 6, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    case 7: weighted_values<BF16, 7, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+    default: weighted_values<BF16, 8, G>(p, p_stride, keys, count, v, v_base, D, out); break;
+  }
+}
 
-  // 1. The allowed keys, in key order; their scores (16 at a time); the maximum.
+// The query heads sharing key/value head `kv_head` of row (b, s), attended together: the group
+// shares its allowed keys, reads each block of 16 key rows once while they are in L1 for all
+// its heads, and each value row once (GQA: SmolLM2 has 3 query heads per key/value head). Every
+// head's scores, softmax and weighted sum are computed in the same order as for a head alone,
+// so the bits are the same as attending head by head.
+template <bool BF16>
+static void attend_group(const AttentionParams& p, int64_t group, float* scratch) {
+  const int64_t G = p.H / p.Hkv;
+  const int64_t kv_head = group % p.Hkv, s = (group / p.Hkv) % p.S, b = group / (p.Hkv * p.S);
+  const int64_t T = p.T, D = p.D, stride = T + 16;
+  const int64_t kv_base = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
+  const int64_t first = (b * p.S + s) * p.H + kv_head * G;  // the group's first (b, s, h) item
+  int32_t* keys = reinterpret_cast<int32_t*>(scratch);       // [allowed keys]
+  float* scores = scratch + stride;                          // head j: [allowed keys] at j * stride
+  float* denominators = scores + G * stride;                 // [G]
+
+  // 1. The allowed keys, in key order (the same for every head of the row).
   const float* mask = p.mask ? p.mask + (b * p.S + s) * T : nullptr;
   const int64_t end = mask ? T : T - p.S + s + 1;  // without a mask: causal over the cache
   int64_t count = 0;
@@ -315,61 +345,76 @@ static void attend_one(const AttentionParams& p, int64_t item, float* scratch) {
     if (!mask || mask[j] > -1.0e30f) keys[count++] = static_cast<int32_t>(j);
   }
   if (count == 0) {  // nothing to attend to (a padding row): zeros, never NaN
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    for (int64_t d = 0; d < G * D; ++d) p.out[first * D + d] = 0.0f;
     return;
   }
+  // 2. Scores, 16 keys at a time for every head (the block's key rows stay in L1), then the
+  // tail; each head's maximum.
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) {
-    V acc[16];
-    for (int u = 0; u < 16; ++u) acc[u] = query_key<BF16>(q, p.k, kv_base + keys[i + u] * D, D);
-    vhsum16(acc, scores + i);
+    for (int64_t h = 0; h < G; ++h) {
+      const float* q = p.q + (first + h) * D;
+      V acc[16];
+      for (int u = 0; u < 16; ++u) acc[u] = query_key<BF16>(q, p.k, kv_base + keys[i + u] * D, D);
+      vhsum16(acc, scores + h * stride + i);
+    }
   }
-  for (; i < count; ++i) scores[i] = vhsum(query_key<BF16>(q, p.k, kv_base + keys[i] * D, D));
-  float top = -3.0e38f;
-  for (i = 0; i < count; ++i) {
-    float score = scores[i] * p.scale;
-    if (mask) score = score + mask[keys[i]];
-    scores[i] = score;
-    top = score > top ? score : top;
+  for (int64_t h = 0; h < G; ++h) {
+    const float* q = p.q + (first + h) * D;
+    float* head_scores = scores + h * stride;
+    for (int64_t k = i; k < count; ++k) {
+      head_scores[k] = vhsum(query_key<BF16>(q, p.k, kv_base + keys[k] * D, D));
+    }
+    float top = -3.0e38f;
+    for (int64_t k = 0; k < count; ++k) {
+      float score = head_scores[k] * p.scale;
+      if (mask) score = score + mask[keys[k]];
+      head_scores[k] = score;
+      top = score > top ? score : top;
+    }
+    // 3. Softmax weights; the denominator summed by position in the compacted list.
+    const V top_v = vset1(top);
+    V total = vzero();
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+      V e = vexp_nonpositive(vsub(vload(head_scores + k), top_v));
+      vstore(head_scores + k, e);
+      total = vadd(total, e);
+    }
+    if (k < count) {
+      const int rest = static_cast<int>(count - k);
+      alignas(64) float buffer[16];
+      V e = vexp_nonpositive(vsub(vload_n(head_scores + k, rest), top_v));
+      vstore(buffer, e);
+      for (int l = 0; l < rest; ++l) head_scores[k + l] = buffer[l];
+      total = vadd(total, vload_n(buffer, rest));
+    }
+    denominators[h] = vhsum(total);
   }
 
-  // 2. Softmax weights; the denominator summed by position in the compacted list.
-  const V top_v = vset1(top);
-  V total = vzero();
-  for (i = 0; i + 16 <= count; i += 16) {
-    V e = vexp_nonpositive(vsub(vload(scores + i), top_v));
-    vstore(scores + i, e);
-    total = vadd(total, e);
+  // 4. Weighted values, up to four heads per pass over the value rows; one division per lane.
+  float* out = p.out + first * D;
+  for (int64_t h = 0; h < G; h += 4) {
+    const float* weights = scores + h * stride;
+    float* head_out = out + h * D;
+    switch (min64(4, G - h)) {
+      case 1: weighted_values_heads<BF16, 1>(weights, stride, keys, count, p.v, kv_base, D, head_out); break;
+      case 2: weighted_values_heads<BF16, 2>(weights, stride, keys, count, p.v, kv_base, D, head_out); break;
+      case 3: weighted_values_heads<BF16, 3>(weights, stride, keys, count, p.v, kv_base, D, head_out); break;
+      default: weighted_values_heads<BF16, 4>(weights, stride, keys, count, p.v, kv_base, D, head_out); break;
+    }
   }
-  if (i < count) {
-    const int rest = static_cast<int>(count - i);
-    alignas(64) float buffer[16];
-    V e = vexp_nonpositive(vsub(vload_n(scores + i, rest), top_v));
-    vstore(buffer, e);
-    for (int l = 0; l < rest; ++l) scores[i + l] = buffer[l];
-    total = vadd(total, vload_n(buffer, rest));
+  for (int64_t h = 0; h < G; ++h) {
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = out[h * D + d] / denominators[h];
   }
-  const float denominator = vhsum(total);
-
-  // 3. Weighted values, then one division per lane.
-  switch ((D + 15) / 16) {
-    case 1: weighted_values<BF16, 1>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 2: weighted_values<BF16, 2>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 3: weighted_values<BF16, 3>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 4: weighted_values<BF16, 4>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 5: weighted_values<BF16, 5>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 6: weighted_values<BF16, 6>(scores, keys, count, p.v, kv_base, D, out); break;
-    case 7: weighted_values<BF16, 7>(scores, keys, count, p.v, kv_base, D, out); break;
-    default: weighted_values<BF16, 8>(scores, keys, count, p.v, kv_base, D, out); break;
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = out[d] / denominator;
 }
 
-// Items [begin, end) of the flattened (b, s, h) grid. `scratch`: attention_scratch_floats(p).
-void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch) {
-  for (int64_t item = begin; item < end; ++item) {
-    if (p.kv_bf16) attend_one<true>(p, item, scratch);
-    else attend_one<false>(p, item, scratch);
+// Groups [begin, end) of the flattened (b, s, kv_head) grid. `scratch`:
+// attention_scratch_floats(p).
+void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch) {
+  for (int64_t group = begin; group < end; ++group) {
+    if (p.kv_bf16) attend_group<true>(p, group, scratch);
+    else attend_group<false>(p, group, scratch);
   }
 }
 

@@ -12,12 +12,12 @@
 namespace selfspec_kernels {
 namespace avx512 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
-void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 }  // namespace avx512
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
-void attention_items(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
+void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 }  // namespace avx2
 
@@ -240,15 +240,16 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   }
   auto out = torch::empty_like(q);
   p.out = out.data_ptr<float>();
-  const int64_t items = p.B * p.S * p.H;
-  if (items == 0) return out;
+  const int64_t groups = p.B * p.S * p.Hkv;  // the query heads of one key/value head together
+  if (groups == 0) return out;
   const bool wide = resolve_isa(isa) == "avx512";
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, p.T * p.D));
+  const int64_t work = p.T * p.D * (p.H / p.Hkv);
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, work));
   const int64_t scratch_size = attention_scratch_floats(p);
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_size);
-    if (wide) avx512::attention_items(p, begin, end, scratch.data());
-    else avx2::attention_items(p, begin, end, scratch.data());
+    if (wide) avx512::attention_groups(p, begin, end, scratch.data());
+    else avx2::attention_groups(p, begin, end, scratch.data());
   });
   return out;
 }

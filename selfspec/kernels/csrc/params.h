@@ -56,6 +56,10 @@ struct NormParams {
 
 // Scratch a call needs per thread, in floats.
 inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (((p.K + 15) / 16) * 16 + 16); }
-inline int64_t attention_scratch_floats(const AttentionParams& p) { return 2 * (p.T + 16) + p.D + 16; }
+// Attention: the allowed keys' indices, then every head of a group's scores, then its
+// denominators.
+inline int64_t attention_scratch_floats(const AttentionParams& p) {
+  return (1 + p.H / p.Hkv) * (p.T + 16) + p.H / p.Hkv + 16;
+}
 
 }  // namespace selfspec_kernels
