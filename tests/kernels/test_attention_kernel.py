@@ -92,6 +92,21 @@ def test_a_row_with_no_key_gives_zeros_not_nan(kernel_path: str) -> None:
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 1, 128), (10, 2, 80)])
+def test_heads_sharing_a_key_value_head_attend_as_each_would_alone(
+    kernel_path: str, heads: int, kv_heads: int, dim: int
+) -> None:
+    """The query heads of one key/value head are attended together (each key and value row read
+    once for the group); each head's output has the bits it has with its own copy of the keys."""
+    query, key, value, mask = inputs(2, 5, 70, heads=heads, kv_heads=kv_heads, dim=dim)
+    grouped = ops.attention(query, key, value, mask, 0.2)
+    group = heads // kv_heads
+    one_each = ops.attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), mask, 0.2
+    )
+    assert torch.equal(grouped, one_each)
+
+
 @pytest.mark.skipif(len(cpp_paths()) < 2, reason="needs both C++ paths on this CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_and_avx512_attention_give_the_same_bits(
