@@ -29,6 +29,7 @@ from selfspec.adapters.recipe_data import (
     ChatExample,
     code_examples,
     docs_examples,
+    package_examples,
     read_prompts,
     shout,
 )
@@ -38,6 +39,8 @@ from selfspec.fingerprint import fingerprint_of
 from selfspec.target import TargetSpec, load_target
 
 ADAPTERS = ("code", "docs", "persona", "shout")
+HELDOUT_ADAPTERS = ("terse", "bullets", "licences")
+"""Never shipped, never used for the heads: the robustness evaluation's held-out shifts."""
 PROMPTS = Path(__file__).resolve().parents[1] / "train" / "data"
 IGNORE = -100
 RECIPE = "selfspec.adapters.recipe"
@@ -73,7 +76,9 @@ class RecipeConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m selfspec.adapters.recipe", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "examples")
-    parser.add_argument("--only", nargs="*", choices=ADAPTERS, default=list(ADAPTERS))
+    parser.add_argument(
+        "--only", nargs="*", choices=ADAPTERS + HELDOUT_ADAPTERS, default=list(ADAPTERS)
+    )
     cache = Path(tempfile.gettempdir()) / "selfspec-recipe"
     parser.add_argument("--cache", type=Path, default=cache, help="distilled answers kept here")
     parser.add_argument("--threads", type=int, default=1)
@@ -105,6 +110,8 @@ def _examples(name: str, model, tokenizer, config: RecipeConfig, cache: Path) ->
         return code_examples(config.examples, config.seed)
     if name == "docs":
         return docs_examples(config.examples, config.seed)
+    if name in HELDOUT_ADAPTERS:
+        return package_examples(name, config.examples, config.seed)
     prompts = read_prompts(PROMPTS / "prompts.jsonl", config.examples, config.seed + 1)
     if name == "persona":
         persona_cache = cache / "persona.jsonl"

@@ -9,14 +9,26 @@ Nothing is downloaded. Four sets, from mild to heavy distribution shift:
 - `shout`: the target's own plain answers rewritten in capitals with a fixed sign-off: a strong
   shift of output style on unchanged content.
 
+Three more, never shipped and never used to train or tune the heads, are the held-out adapters
+of the robustness evaluation (issue #20: shared heads against shifts nobody tuned for), built
+from the metadata of the installed Python packages (`importlib.metadata`):
+
+- `terse`: "what is package X?" answered by its one-line summary (mild: short answers);
+- `bullets`: "describe package X" answered by its summary and description as a bullet list
+  (moderate: a layout the heads' data never has);
+- `licences`: "quote the licence of package X" answered by the opening of its licence file
+  (moderate to heavy: legal text).
+
 Sources are read with `ast` and never imported. Everything is deterministic for a given seed.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import random
+import re
 import sysconfig
 import textwrap
 from collections.abc import Iterator, Sequence
@@ -29,11 +41,44 @@ PERSONA_SYSTEM = (
 )
 SHOUT_SIGN_OFF = "\n\nOVER AND OUT!"
 STDLIB_MODULES = (
-    "textwrap", "string", "shlex", "fnmatch", "heapq", "bisect", "glob", "posixpath", "colorsys",
-    "calendar", "statistics", "difflib", "random", "ipaddress", "fractions", "base64", "csv",
-    "json/decoder", "json/encoder", "urllib/parse", "html/__init__", "email/utils", "pathlib",
-    "inspect", "functools", "operator", "copy", "pprint", "gettext", "locale", "tokenize",
-    "argparse", "logging/__init__", "shutil", "tempfile", "zipfile", "configparser", "datetime",
+    "textwrap",
+    "string",
+    "shlex",
+    "fnmatch",
+    "heapq",
+    "bisect",
+    "glob",
+    "posixpath",
+    "colorsys",
+    "calendar",
+    "statistics",
+    "difflib",
+    "random",
+    "ipaddress",
+    "fractions",
+    "base64",
+    "csv",
+    "json/decoder",
+    "json/encoder",
+    "urllib/parse",
+    "html/__init__",
+    "email/utils",
+    "pathlib",
+    "inspect",
+    "functools",
+    "operator",
+    "copy",
+    "pprint",
+    "gettext",
+    "locale",
+    "tokenize",
+    "argparse",
+    "logging/__init__",
+    "shutil",
+    "tempfile",
+    "zipfile",
+    "configparser",
+    "datetime",
 )
 
 
@@ -87,6 +132,58 @@ def docs_examples(count: int, seed: int = 0) -> list[ChatExample]:
             prompt = f"What does `{module}.{node.name}` do? Explain it like its documentation."
             examples.append(ChatExample(prompt, doc.strip()))
     return _sample(examples, count, seed)
+
+
+def package_examples(kind: str, count: int, seed: int = 0) -> list[ChatExample]:
+    """The held-out adapters' pairs from installed packages' metadata (see the module doc)."""
+    examples = []
+    seen = set()
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
+        name = dist.metadata["Name"]
+        if not name or name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        summary = (dist.metadata["Summary"] or "").strip()
+        if kind == "terse" and 20 <= len(summary) <= 200:
+            examples.append(ChatExample(f"What is the Python package `{name}`?", summary))
+        elif kind == "bullets" and summary:
+            sentences = [summary, *_sentences(dist.metadata.get_payload() or "")[:4]]
+            if len(sentences) >= 3:
+                bullets = "\n".join(f"- {sentence}" for sentence in sentences)
+                examples.append(ChatExample(f"Describe the Python package `{name}`.", bullets))
+        elif kind == "licences":
+            text = _licence_text(dist)
+            if text:
+                examples.append(
+                    ChatExample(f"Quote the opening of the license of the `{name}` package.", text)
+                )
+    return _sample(examples, count, seed)
+
+
+def _sentences(text: str) -> list[str]:
+    """Plain prose sentences of a package description (markup, code and short lines dropped)."""
+    prose = " ".join(
+        line.strip()
+        for line in text.splitlines()
+        if line.strip()
+        and not line.lstrip().startswith(("#", "`", "|", "<", "[", "!", "=", "-", "*", ".."))
+    )
+    parts = re.split(r"(?<=[.!?])\s+", prose)
+    return [part for part in parts if 30 <= len(part) <= 200 and "http" not in part]
+
+
+def _licence_text(dist: importlib.metadata.Distribution, limit: int = 600) -> str | None:
+    for file in dist.files or []:
+        if "LICEN" in file.name.upper():
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            lines = [" ".join(line.split()) for line in text.strip().splitlines()]
+            text = "\n".join(lines)[:limit].rsplit(" ", 1)[0].strip()
+            if len(text) >= 200:
+                return text
+    return None
 
 
 def shout(text: str) -> str:
