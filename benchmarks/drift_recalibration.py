@@ -5,7 +5,8 @@ One server in this process (127.0.0.1, the embedded default model, the shipped E
 fixed tree so τ does not follow the machine's load), adapters from the shipped examples copied
 without their recalibrated heads:
 
-1. base traffic, then traffic on ``tenant`` (the mild ``code`` adapter): its drift score;
+1. the same held-out prompts on the base and on ``tenant`` (the mild ``code`` adapter), in
+   turn: its drift score on comparable traffic;
 2. ``tenant`` unloaded and loaded again from the heavy ``shout`` adapter (the management
    routes), as an operator replacing an adapter under a name would; traffic on it until the
    drift monitor flags it: **N requests**;
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--eval-prompts", type=int, default=12)
     parser.add_argument(
-        "--mild-rounds", type=int, default=8, help="base + mild-adapter requests before judging"
+        "--mild-rounds", type=int, default=8, help="prompts sent to the base and the mild adapter"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--tree", default="dynamic:4,4,8")
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     traffic = read_prompt_file(TRAFFIC)
-    heldout = read_prompt_file(default_prompts_file(), args.eval_prompts)
+    # Held-out prompts (never trained on): the first for τ, the rest as the mild phase's traffic.
+    heldout_file = read_prompt_file(default_prompts_file())
+    heldout, mild_prompts = heldout_file[: args.eval_prompts], heldout_file[args.eval_prompts :]
     work = Path(tempfile.mkdtemp(prefix="drift-"))
     root = work / "adapters"
     for name, source in (("tenant", "code"), ("shout-ref", "shout"), ("shout-src", "shout")):
@@ -130,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             client = Client(url, args.max_tokens)
             base = state.model_name
             rounds = 0
+            comparable = iter(mild_prompts)
             with tqdm(desc="mild adapter", unit="round") as bar:
                 while monitor.score("tenant") is None or rounds < args.mild_rounds:
+                    prompt = next(comparable)  # the same prompt on both: comparable traffic
                     for model in (base, "tenant"):
-                        client.chat(model, next(next_prompt))
+                        client.chat(model, prompt)
                     rounds += 1
                     bar.update()
             record["mild_requests"] = rounds
@@ -201,8 +206,8 @@ def _markdown(r: dict) -> str:
         [
             "| step | result |",
             "|---|---|",
-            f"| mild adapter (`code`) drift score after {r['mild_requests']} requests (and as "
-            f"many on the base) | {r['mild_score']} (flagged: {r['mild_flagged']}) |",
+            f"| mild adapter (`code`) drift score after the same {r['mild_requests']} held-out "
+            f"prompts as the base | {r['mild_score']} (flagged: {r['mild_flagged']}) |",
             f"| swapped for `shout`: requests until flagged | {r['requests_until_flagged']} "
             f"(score {r['heavy_score']}) |",
             f"| background recalibration | {r['outcome']['outcome']}: held-back top-1 "
