@@ -41,6 +41,7 @@ from selfspec.train.recalibrate import _first_prompts, _train_prompts_file, fit_
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m selfspec.train.augment", description=__doc__)
+    parser.add_argument("--model", default=None, help="local model dir or .gguf (default: SmolLM2)")
     parser.add_argument("--heads", default="eagle", help="heads to start from (dir or shipped)")
     parser.add_argument("--adapters-root", default=None, help="default: the shipped examples")
     # Mild and moderate shifts: a heavy one (the shipped `shout`) is for the drift gate and a
@@ -57,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
-    spec = TargetSpec(threads=args.threads)
+    spec = TargetSpec(model=args.model, threads=args.threads)
     target = load_target(spec)
     store = AdapterStore(target.model, root=args.adapters_root or examples_root())
-    heads_dir = resolve_heads_dir(args.heads, True)
+    heads_dir = resolve_heads_dir(args.heads, args.model in (None, "default"))
     kind = read_heads_config(heads_dir)[0].kind
     vocab = draft_vocab_of(load_heads(heads_dir, target.model))
     work = Path(tempfile.mkdtemp(prefix="augment-"))
