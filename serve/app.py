@@ -191,12 +191,24 @@ class ServerState:
 
         self.engine.between_rounds(swap)
         if self.recalibration is not None and self.recalibration.save:
-            save_delta(delta, self.store.info(adapter).path / DELTA_DIR, {"source": "served"})
+            destination = self.store.info(adapter).path / DELTA_DIR
+            try:  # swapped in either way; a read-only adapter directory only loses the copy
+                save_delta(delta, destination, {"source": "served"})
+            except OSError as error:
+                logger.warning(
+                    "could not save %r's new draft delta to %s: %s", adapter, destination, error
+                )
 
     def _delta_on_disk(self, adapter: str) -> Path | None:
+        """``<adapter>/heads-delta/`` when the adapter drafts with it now, else None."""
         bank = self.delta_bank
-        directory = self.store.info(adapter).path / DELTA_DIR
-        return directory if bank is not None and adapter in bank and directory.is_dir() else None
+        if bank is None or adapter not in bank:
+            return None
+        try:
+            directory = self.store.info(adapter).path / DELTA_DIR
+        except AdapterError:  # unloaded meanwhile
+            return None
+        return directory if directory.is_dir() else None
 
     def _count_outcome(self, outcome: Outcome) -> None:
         self.metrics.recalibrations.labels(outcome.adapter, outcome.outcome).inc()

@@ -249,11 +249,11 @@ class ServedRecalibrator:
 
     def _start(self, adapter: str, seen: _Adapter) -> None:
         """Hand ``seen.rows`` to a training thread (the lock is held)."""
+        current = seen.delta_dir or self._current_delta(adapter)
         rows, seen.rows = seen.rows, []
         seen.attempts += 1
         self._collecting = None
         self._training = adapter
-        current = seen.delta_dir or self._current_delta(adapter)
         thread = threading.Thread(
             target=self._train,
             args=(adapter, seen.generation, seen.attempts, rows, current),

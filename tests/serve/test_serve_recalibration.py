@@ -16,6 +16,7 @@ from tiny_models import make_tiny_model, make_tiny_tokenizer
 
 from selfspec.fingerprint import fingerprint_of
 from selfspec.heads import build_heads, heads_config_for, save_heads
+from selfspec.heads.delta import load_delta
 from selfspec.serve.drift import DriftConfig, DriftMonitor
 from selfspec.serve.recalibration import RecalibrationPolicy, ServedRecalibrator
 from selfspec.stats import StepRecord
@@ -58,7 +59,12 @@ def test_served_outputs_train_a_delta_that_is_swapped_in_and_outputs_stay_equal(
     shutil.copytree(assets["adapters"], root)
     target, heads = _lively_target(tmp_path)
     settings = {"model": str(target), "heads": str(heads), "adapters_root": str(root)}
-    with server_for(**settings, recalibrate="always", recalibrate_conversations=48) as (
+    recalibrate = {
+        "recalibrate": "always",
+        "recalibrate_conversations": 48,
+        "recalibrate_save": True,
+    }
+    with server_for(**settings, **recalibrate) as (
         url,
         state,
         _,
@@ -73,7 +79,10 @@ def test_served_outputs_train_a_delta_that_is_swapped_in_and_outputs_stay_equal(
         assert report["after"]["top1"] >= report["served"]["top1"] + 0.01
         after = [_complete(url, p) for p in PROMPTS]  # the delta drafts from the next round on
         assert "attn" in state.delta_bank
-        assert not (root / "attn" / "heads-delta").exists()  # not saved unless asked
+        saved = load_delta(
+            root / "attn" / "heads-delta", state.generator.heads
+        )  # --recalibrate-save
+        assert saved.heads_hash == state.delta_bank.hash
         for prompt, reply in zip(PROMPTS, before + after[48:], strict=True):
             assert reply["choices"][0]["text"] == vanilla[prompt]
         for prompt, reply in zip(PROMPTS, after, strict=True):
