@@ -334,6 +334,8 @@ class ServedRecalibrator:
             )
             with self._lock:
                 self._process = process
+                if self._closed:  # closed while it started: close() did not see it
+                    process.kill()
             try:
                 code = process.wait(timeout=policy.timeout_s)
             except subprocess.TimeoutExpired:
