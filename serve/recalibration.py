@@ -288,6 +288,7 @@ class ServedRecalibrator:
 
     def _run_job(self, job_dir: Path, rows: list[_Row], current: Path | None) -> dict:
         """Write the rows and the job file, run the training process, read its report."""
+        from selfspec.train.rows_job import REPORT_FILE, RowsJob
         from selfspec.train.shards import shard_dir, write_shard
 
         every = self.policy.held_back_every
@@ -308,21 +309,20 @@ class ServedRecalibrator:
             meta = {"key": "served-outputs", "rows": len(chosen)}
             write_shard(shard_dir(job_dir / part, 0), columns, meta, features=width)
         policy = self.policy
-        job = {
-            "heads": str(self.heads_dir),
-            "train": str(job_dir / "train"),
-            "heldout": str(job_dir / "heldout"),
-            "out": str(job_dir / "out"),
-            "model": self.model,
-            "current_delta": None if current is None else str(current),
-            "rank": policy.rank,
-            "steps": policy.steps,
-            "lr": policy.lr,
-            "batch_size": policy.batch_size,
-            "min_gain": policy.min_gain,
-            "threads": policy.threads,
-        }
-        (job_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
+        RowsJob(  # validated here, read back by the training process
+            heads=str(self.heads_dir),
+            train=str(job_dir / "train"),
+            heldout=str(job_dir / "heldout"),
+            out=str(job_dir / "out"),
+            model=self.model,
+            current_delta=None if current is None else str(current),
+            rank=policy.rank,
+            steps=policy.steps,
+            lr=policy.lr,
+            batch_size=policy.batch_size,
+            min_gain=policy.min_gain,
+            threads=policy.threads,
+        ).write(job_dir / "job.json")
         env = {**os.environ, "OMP_NUM_THREADS": str(policy.threads)}
         with open(job_dir / "train.log", "wb") as log:
             process = subprocess.Popen(
@@ -348,7 +348,7 @@ class ServedRecalibrator:
         if code != 0:
             tail = (job_dir / "train.log").read_text(errors="replace").strip().splitlines()[-3:]
             raise RuntimeError(f"the training process exited with {code}: {' | '.join(tail)}")
-        return json.loads((job_dir / "out" / "report.json").read_text())
+        return json.loads((job_dir / "out" / REPORT_FILE).read_text())
 
     def _conclude(
         self, adapter: str, generation: int, job_dir: Path, report: dict, started: float
@@ -365,7 +365,9 @@ class ServedRecalibrator:
             seen = self._adapters.get(adapter)
             if self._closed or seen is None or seen.generation != generation:
                 return Outcome(adapter, "failed", "the adapter was unloaded meanwhile", seconds)
-        delta_dir = job_dir / "out" / "delta"
+        from selfspec.train.rows_job import DELTA_SUBDIR
+
+        delta_dir = job_dir / "out" / DELTA_SUBDIR
         self._install(adapter, delta_dir)  # validates; the engine swaps it between rounds
         with self._lock:
             previous, seen.delta_dir = seen.delta_dir, delta_dir

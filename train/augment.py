@@ -36,7 +36,7 @@ from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.prompts import OnBadLine
-from selfspec.train.recalibrate import _first_prompts, _train_prompts_file, fit_for_steps
+from selfspec.train.recalibrate import first_prompts, fit_for_steps, train_prompts_file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _slice(start: int, count: int, work: Path) -> Path:
     """Training prompts start..start+count as a JSONL file."""
-    everything = _first_prompts(_train_prompts_file(), start + count, work / f"all-{start}.jsonl")
+    everything = first_prompts(train_prompts_file(), start + count, work / f"all-{start}.jsonl")
     lines = everything.read_text().splitlines(keepends=True)[start:]
     destination = work / f"prompts-{start}.jsonl"
     destination.write_text("".join(lines))

@@ -306,7 +306,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     kind = read_heads_config(heads_dir)[0].kind
     if kind is HeadKind.EAGLE3:  # its training reads tapped layers the distilled rows lack
         raise ValueError(f"{heads_dir}: recalibrating EAGLE-3 heads is not supported yet")
-    train_file = Path(config.prompts) if config.prompts else _train_prompts_file()
+    train_file = Path(config.prompts) if config.prompts else train_prompts_file()
     heldout_file = (
         Path(config.heldout_prompts) if config.heldout_prompts else default_prompts_file()
     )
@@ -323,7 +323,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             ("train", train_file, config.max_prompts),
             ("heldout", heldout_file, config.eval_prompts),
         ):
-            prompts = _first_prompts(source, limit, work / f"{part}.jsonl")
+            prompts = first_prompts(source, limit, work / f"{part}.jsonl")
             distil_config = DistillConfig(
                 prompts=str(prompts),
                 output=str(work / part),
@@ -528,14 +528,14 @@ def _heads_dir(spec: str, is_default: bool) -> Path:
     return path
 
 
-def _train_prompts_file() -> Path:
+def train_prompts_file() -> Path:
     path = Path(__file__).parent / "data" / TRAIN_PROMPTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"the default training prompts {path} are missing; pass --prompts")
     return path
 
 
-def _first_prompts(source: Path, limit: int, destination: Path) -> Path:
+def first_prompts(source: Path, limit: int, destination: Path) -> Path:
     """The first `limit` usable prompts of `source`, as a JSONL file (distill reads whole files)."""
     records, _ = read_prompts(source, OnBadLine.skip)
     lines = []
