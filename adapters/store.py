@@ -325,11 +325,7 @@ class AdapterStore:
         """Unload `name` and free the name: a later `register` may give it another directory
         (an operator replacing an adapter under its name). A pinned adapter is refused."""
         with self._lock:
-            self._get(name)
-            if self._pins[name]:
-                raise AdapterError(f"adapter {name!r} is pinned by a running request; not unloaded")
-            if name in self._resident:
-                self._evict(name)
+            self.unload(name)  # unknown or pinned: refused there (the lock is reentrant)
             del self._known[name]
             self._pins.pop(name, None)
 
