@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
 from selfspec.cost_curve import CostCurve, elapsed_seconds
-from selfspec.drafting import Drafter, DraftPlan, make_drafter
+from selfspec.drafting import Drafter, DraftPlan, DraftRequest, make_drafter
 from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
@@ -198,6 +198,16 @@ class DraftedStep:
     request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
     drafting_seconds: float = 0.0
     """What drafting this tree took (joint sizing counts it in the round's time)."""
+
+
+@dataclass(frozen=True)
+class StepToDraft:
+    """One request's next step for ``SpeculativeGenerator.draft_many`` (see ``draft``)."""
+
+    state: RequestState
+    config: GenerationConfig
+    speculate: bool = True
+    joint: bool = False
 
 
 MAX_DEFERRED_TOKENS = 64
@@ -439,44 +449,71 @@ class SpeculativeGenerator:
         ``conclude``, as after a step whose drafts were all rejected). joint: an adaptive tree
         keeps every node it drafted (up to its budget) and the step carries its sizer, so the
         caller sizes the batch's trees together (``sizing.joint_keep``, then ``resize``)."""
-        if config.speculate and speculate:
-            self._catch_up(state)
-            sizer = (
-                TreeSizer(
-                    self.cost_curve,
-                    state.calibration,
-                    state.cost_scale,
-                    batch_size,
-                    state.overhead_seconds,
-                )
-                if self.cost_curve is not None
-                else None
-            )
-            spec = self.tree_for(config)
-            deferred = joint and sizer is not None and getattr(spec, "adaptive", False)
-            plan = DraftPlan(
-                tree=spec,
-                sampling=config.draft_sampling,
-                params=config.sampling,
-                sizer=sizer,
-                defer_keep=deferred,
-            )
+        return self.draft_many([StepToDraft(state, config, speculate, joint)], batch_size)[0]
+
+    def draft_many(self, steps: Sequence[StepToDraft], batch_size: int) -> list[DraftedStep]:
+        """Each step's tree as ``draft`` gives it, the speculating ones drafted together in one
+        batched call of the heads (``Drafter.draft_many``); each is priced with its share of
+        the drafting time. The caller runs them under one scope (the same adapter)."""
+        plans = [  # None: the root alone this step
+            self._plan(step, batch_size) if step.config.speculate and step.speculate else None
+            for step in steps
+        ]
+        requests = [
+            DraftRequest(step.state.draft_state, step.state.root_token, plan, step.state.generator)
+            for step, plan in zip(steps, plans, strict=True)
+            if plan is not None
+        ]
+        trees: list[Tree] = []
+        drafting = 0.0
+        if requests:
             started = time.perf_counter()
             with record_function("selfspec.draft"):
-                tree = self.drafter.draft(
-                    state.draft_state, state.root_token, plan, state.generator
+                trees = self.drafter.draft_many(requests)
+            drafting = (time.perf_counter() - started) / len(requests)
+        drafted_trees = iter(trees)
+        out = []
+        for step, plan in zip(steps, plans, strict=True):
+            if plan is None:
+                tree = _root_only(step.state.root_token, self.target.device)
+            else:
+                tree = next(drafted_trees)
+            with record_function("selfspec.tree_buffers"):
+                buffers = tree_buffers(tree, step.state.committed_len, self.target.dtype)
+            out.append(
+                DraftedStep(
+                    tree,
+                    buffers,
+                    drafted=plan is not None,
+                    sizer=plan.sizer if plan is not None and plan.defer_keep else None,
+                    drafting_seconds=0.0 if plan is None else drafting,
                 )
-            drafting = time.perf_counter() - started
-        else:
-            tree, deferred, drafting = _root_only(state.root_token, self.target.device), False, 0.0
-        with record_function("selfspec.tree_buffers"):
-            buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
-        return DraftedStep(
-            tree,
-            buffers,
-            drafted=config.speculate and speculate,
-            sizer=sizer if deferred else None,
-            drafting_seconds=drafting,
+            )
+        return out
+
+    def _plan(self, step: StepToDraft, batch_size: int) -> DraftPlan:
+        """How ``step`` drafts (its draft state first caught up); with ``joint`` and an
+        adaptive tree, ``defer_keep``: the caller sizes the tree."""
+        state, config = step.state, step.config
+        self._catch_up(state)
+        sizer = (
+            TreeSizer(
+                self.cost_curve,
+                state.calibration,
+                state.cost_scale,
+                batch_size,
+                state.overhead_seconds,
+            )
+            if self.cost_curve is not None
+            else None
+        )
+        spec = self.tree_for(config)
+        return DraftPlan(
+            tree=spec,
+            sampling=config.draft_sampling,
+            params=config.sampling,
+            sizer=sizer,
+            defer_keep=step.joint and sizer is not None and getattr(spec, "adaptive", False),
         )
 
     def resize(self, state: RequestState, drafted: DraftedStep, count: int) -> DraftedStep:
@@ -731,6 +768,27 @@ class GenerationStream:
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
             return self._owner.draft(state, self._config, batch_size, speculate, joint)
+
+    @staticmethod
+    def draft_together(
+        streams: Sequence[GenerationStream],
+        batch_size: int,
+        speculate: Sequence[bool],
+        joint: Sequence[bool],
+    ) -> list[DraftedStep]:
+        """Each stream's next tree, as its ``draft`` would give it, drafted in one batched call
+        of the heads they share. The streams share their generator and their adapter: the first
+        one's scope is entered for all (drafting reads the adapter only through the heads'
+        draft deltas and the target's embeddings)."""
+        owner = streams[0]._owner
+        if any(stream._owner is not owner for stream in streams):
+            raise ValueError("streams drafted together must share their SpeculativeGenerator")
+        steps = [
+            StepToDraft(stream._decoding_state(), stream._config, own, shared)
+            for stream, own, shared in zip(streams, speculate, joint, strict=True)
+        ]
+        with torch.inference_mode(), streams[0]._scope():
+            return owner.draft_many(steps, batch_size)
 
     def resize(self, drafted: DraftedStep, count: int) -> DraftedStep:
         """``drafted`` keeping its ``count`` best drafted nodes (before its forward)."""

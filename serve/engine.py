@@ -431,20 +431,8 @@ class Engine:
         target forward under a mixed-adapter scope, conclude each. Returns the jobs that left.
         Should the shared forward fail, each drafted tree is verified alone, so one bad request
         cannot fail the others."""
-        left, drafted = [], []
-        together = len(jobs) > 1
-        for job in jobs:
-            try:
-                # Adaptive trees that may vary are sized together once all are drafted.
-                may_vary = job.stream.trees_may_vary
-                own = speculate or not may_vary  # seeded sampling: always
-                step = job.stream.draft(
-                    batch_size=len(jobs), speculate=own, joint=together and may_vary
-                )
-                drafted.append((job, step))
-            except Exception as error:
-                self._fail(job, error)
-                left.append(job)
+        left: list[Job] = []
+        drafted = self._draft_groups(jobs, speculate, left)
         drafted = self._sized_together(drafted, left)
         if not drafted:
             return left
@@ -480,6 +468,42 @@ class Engine:
             if not self._guarded(job, partial(job.stream.conclude, step, own, own_logits)):
                 left.append(job)
         return left
+
+    def _draft_groups(
+        self, jobs: list[Job], speculate: bool, left: list[Job]
+    ) -> list[tuple[Job, DraftedStep]]:
+        """Each job's tree (its root alone unless ``speculate``; seeded sampling speculates
+        always), the jobs of one generator and adapter drafted in one batched heads call
+        (``GenerationStream.draft_together``). Should a group's call fail, its jobs draft one
+        by one, so one bad request cannot fail the others; a job that fails alone leaves (in
+        ``left``). Adaptive trees that may vary are sized together afterwards (joint)."""
+        together = len(jobs) > 1
+        groups: dict[tuple[int, str | None], list[Job]] = {}
+        for job in jobs:
+            groups.setdefault((id(job.stream.owner), job.adapter), []).append(job)
+        drafted = []
+        for group in groups.values():
+            vary = [job.stream.trees_may_vary for job in group]
+            own = [speculate or not may_vary for may_vary in vary]
+            joint = [together and may_vary for may_vary in vary]
+            if len(group) > 1:
+                try:
+                    streams = [job.stream for job in group]
+                    steps = GenerationStream.draft_together(streams, len(jobs), own, joint)
+                    drafted += zip(group, steps, strict=True)
+                    continue
+                except Exception:
+                    logger.exception("drafting %d requests together failed; one by one", len(group))
+            for job, speculating, shared in zip(group, own, joint, strict=True):
+                try:
+                    step = job.stream.draft(
+                        batch_size=len(jobs), speculate=speculating, joint=shared
+                    )
+                    drafted.append((job, step))
+                except Exception as error:
+                    self._fail(job, error)
+                    left.append(job)
+        return drafted
 
     def _sized_together(
         self, drafted: list[tuple[Job, DraftedStep]], left: list[Job]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from selfspec.drafting.base import DraftRequest
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.tree import DraftSampling, Tree
 
@@ -99,6 +100,9 @@ class OracleDrafter:
         tree = grow_tree(root_token, expand, plan, generator)
         self.drafted_trees.append(tree)
         return tree
+
+    def draft_many(self, requests: Sequence[DraftRequest]) -> list[Tree]:
+        return [self.draft(r.state, r.root_token, r.plan, r.generator) for r in requests]
 
     def advance(
         self,

@@ -400,14 +400,15 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
     allowed = set(heads.draft_vocab.tolist())
     generator = SpeculativeGenerator(_model(arch), heads)
     drafted: list[int] = []
-    draft = generator.drafter.draft
+    draft_many = generator.drafter.draft_many
 
-    def spy(*args, **kwargs):
-        tree = draft(*args, **kwargs)
-        drafted.extend(tree.tokens[1:].tolist())
-        return tree
+    def spy(requests):
+        trees = draft_many(requests)
+        for tree in trees:
+            drafted.extend(tree.tokens[1:].tolist())
+        return trees
 
-    monkeypatch.setattr(generator.drafter, "draft", spy)
+    monkeypatch.setattr(generator.drafter, "draft_many", spy)
     for tree in TREES.values():
         result = generator.generate(PROMPT, _greedy(tree))
         assert result.token_ids == list(_vanilla(arch))

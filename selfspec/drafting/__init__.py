@@ -1,6 +1,6 @@
 """Drafting: grow a tree from heads (Medusa, EAGLE or EAGLE-3)."""
 
-from selfspec.drafting.base import Drafter
+from selfspec.drafting.base import Drafter, DraftRequest
 from selfspec.drafting.eagle import EagleDrafter, EagleState
 from selfspec.drafting.eagle3 import Eagle3Drafter
 from selfspec.drafting.grow import DraftPlan, draw_children, grow_tree
@@ -8,6 +8,7 @@ from selfspec.drafting.medusa import MedusaDrafter, MedusaState
 
 __all__ = [
     "DraftPlan",
+    "DraftRequest",
     "Drafter",
     "Eagle3Drafter",
     "EagleDrafter",

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from selfspec.drafting.grow import DraftPlan
 from selfspec.tree import Tree
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request's part of a batched draft (``Drafter.draft_many``)."""
+
+    state: Any  # the drafter's state of the request
+    root_token: int
+    plan: DraftPlan
+    generator: torch.Generator | None
 
 
 class Drafter(Protocol):
@@ -28,6 +40,11 @@ class Drafter(Protocol):
     def draft(
         self, state: Any, root_token: int, plan: DraftPlan, generator: torch.Generator | None
     ) -> Tree: ...
+
+    def draft_many(self, requests: Sequence[DraftRequest]) -> list[Tree]:
+        """Each request's tree, as ``draft`` would give it, drafted together where the heads
+        can (EAGLE: one head call per depth for all of them)."""
+        ...
 
     def advance(
         self,

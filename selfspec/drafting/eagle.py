@@ -7,12 +7,15 @@ the next tree, so drafting starts from ``root_feature``, the head's prediction a
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.drafting.base import DraftRequest
 from selfspec.drafting.fused_head import FusedEagleHead
-from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
+from selfspec.drafting.grow import DraftPlan, GrowingTree, Growth, growth
 from selfspec.drafting.projection import DraftProjection
 from selfspec.heads.draft_vocab import draft_vocab_of
 from selfspec.heads.eagle import EagleCache, EagleHead
@@ -63,55 +66,152 @@ class EagleDrafter:
     def draft(
         self, state: EagleState, root_token: int, plan: DraftPlan, generator: torch.Generator | None
     ) -> Tree:
-        committed = state.cache.length
-        device = state.root_feature.device
-        predicted: dict[int, torch.Tensor] = {0: state.root_feature}  # node -> [H]
-        slot_nodes: list[int] = []  # tree node held by each cache slot after `committed`
+        return self.draft_many([DraftRequest(state, root_token, plan, generator)])[0]
 
-        def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
-            if frontier == [0]:
-                return self.projection.logits(state.root_feature)[None]  # [1, N]
-            tokens = torch.tensor([tree.tokens[n] for n in frontier], device=device)
-            parent_features = torch.stack([predicted[tree.parents[n]] for n in frontier])  # [F, H]
-            positions = torch.tensor([committed + tree.depths[n] for n in frontier], device=device)
-            attend = self._tree_attend(tree, frontier, committed, slot_nodes, device)
-            out = self.fused(
-                self.target.embed(tokens)[None],
-                parent_features[None],
-                positions[None],
-                attend,
-                state.cache,
-            )[0]  # [F, H]
-            for i, node in enumerate(frontier):
-                predicted[node] = out[i]
-            slot_nodes.extend(frontier)
-            return self.projection.logits(out)  # [F, N]
+    def draft_many(self, requests: Sequence[DraftRequest]) -> list[Tree]:
+        """The requests' trees grown in lock step: each depth's frontiers of every request go
+        through the head in one call (on the fused path: each row over its own cache, padded to
+        the widest frontier) and through the projection in one call. Each tree is the one its
+        request would draft alone (the fused kernels are row-invariant); the adaptive sizer
+        prices each request's drafting at its share of the batch's time."""
+        started = time.perf_counter()
 
+        def share() -> float:
+            return (time.perf_counter() - started) / len(requests)
+
+        work = [
+            _Growing(
+                request.state,
+                request.state.cache.length,
+                growth(request.root_token, request.plan, request.generator, self.projection, share),
+            )
+            for request in requests
+        ]
         try:
-            return grow_tree(root_token, expand, plan, generator, self.projection)
+            for item in work:
+                item.pending = next(item.growth)
+            while active := [item for item in work if item.pending is not None]:
+                for item, logits in zip(active, self._score(active), strict=True):
+                    try:
+                        item.pending = item.growth.send(logits)
+                    except StopIteration as finished:
+                        item.pending, item.tree = None, finished.value
         finally:
-            state.cache.crop(committed)  # drafted entries never outlive the step
+            for item in work:
+                item.state.cache.crop(item.committed)  # drafted entries never outlive the step
+        return [item.tree for item in work]
 
-    @staticmethod
-    def _tree_attend(
-        tree: GrowingTree,
-        frontier: list[int],
-        committed: int,
-        slot_nodes: list[int],
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Each frontier node sees the committed cache, its drafted ancestors and itself.
-        # [1, 1, F, committed + drafted + F] bool"""
-        slot_of = {node: slot for slot, node in enumerate(slot_nodes)}
-        width = committed + len(slot_nodes) + len(frontier)
+    def _score(self, active: list[_Growing]) -> list[torch.Tensor]:
+        """Draft logits for each growing tree's pending frontier # [F_b, N] each: a frontier at
+        the root reads the state's root feature; deeper ones run the head over their parents'
+        predicted features, one call for all requests, then one projection."""
+        deeper = [item for item in active if item.pending[1] != [0]]
+        if deeper:
+            predicted = self._head_rows(deeper)  # [F_b, H] each
+            for item, out in zip(deeper, predicted, strict=True):
+                tree, frontier = item.pending
+                for row, node in enumerate(frontier):
+                    item.predicted[node] = out[row]
+        hidden = [  # [F_b, H] each
+            item.state.root_feature[None]
+            if item.pending[1] == [0]
+            else torch.stack([item.predicted[node] for node in item.pending[1]])
+            for item in active
+        ]
+        sizes = [rows.shape[0] for rows in hidden]
+        return list(self.projection.logits(torch.cat(hidden)).split(sizes))  # [F_b, N] each
+
+    def _head_rows(self, deeper: list[_Growing]) -> list[torch.Tensor]:
+        """The head over each item's frontier (children's tokens at their parents' predicted
+        features), each over its own cache; the drafted entries' slots are recorded."""
+        inputs = [item.frontier_inputs(self.target.device) for item in deeper]
+        width = max(len(item.pending[1]) for item in deeper)
+        rows = getattr(self.fused, "rows", None)  # EAGLE-3's head has no fused form yet
+        out = None
+        if rows is not None and len(deeper) > 1:
+            out = rows(
+                self.target.embed(_padded([t for t, _, _ in inputs], width)),
+                _padded([f for _, f, _ in inputs], width),
+                _padded([p for _, _, p in inputs], width),
+                [item.attend(width) for item in deeper],
+                [item.state.cache for item in deeper],
+            )  # [B, width, H]
+        if out is not None:
+            for item in deeper:
+                item.drafted(width)
+            return [out[b, : len(item.pending[1])] for b, item in enumerate(deeper)]
+        predicted = []
+        for item, (tokens, features, positions) in zip(deeper, inputs, strict=True):
+            size = len(item.pending[1])
+            predicted.append(
+                self.fused(
+                    self.target.embed(tokens)[None],
+                    features[None],
+                    positions[None],
+                    item.attend(size),
+                    item.state.cache,
+                )[0]
+            )
+            item.drafted(size)
+        return predicted
+
+
+@dataclass
+class _Growing:
+    """One request's tree while ``EagleDrafter.draft_many`` grows it."""
+
+    state: EagleState
+    committed: int  # the cache's committed entries; drafted ones follow
+    growth: Growth
+    pending: tuple[GrowingTree, list[int]] | None = None  # the frontier awaiting draft logits
+    tree: Tree | None = None  # once grown
+    predicted: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [H]
+    slot_nodes: list[int] = field(default_factory=list)
+    """The tree node held by each cache slot after ``committed`` (-1: a padding row's)."""
+
+    def __post_init__(self) -> None:
+        self.predicted[0] = self.state.root_feature
+
+    def frontier_inputs(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frontier's tokens # [F], their parents' predicted features # [F, H] and their
+        positions # [F]."""
+        tree, frontier = self.pending
+        tokens = torch.tensor([tree.tokens[n] for n in frontier], device=device)
+        features = torch.stack([self.predicted[tree.parents[n]] for n in frontier])
+        positions = torch.tensor([self.committed + tree.depths[n] for n in frontier], device=device)
+        return tokens, features, positions
+
+    def attend(self, width: int) -> torch.Tensor:
+        """Each frontier node sees the committed cache, its drafted ancestors and itself; rows
+        past the frontier (padding up to ``width``) see only themselves.
+        # [1, 1, width, committed + drafted + width] bool"""
+        tree, frontier = self.pending
+        slot_of = {node: slot for slot, node in enumerate(self.slot_nodes) if node >= 0}
+        drafted = self.committed + len(self.slot_nodes)
         # Filled element by element on the host, then copied to the device once (on a GPU, one
         # small copy instead of a kernel launch per element).
-        attend = torch.zeros(len(frontier), width, dtype=torch.bool, device="cpu")
-        attend[:, :committed] = True
+        attend = torch.zeros(width, drafted + width, dtype=torch.bool, device="cpu")
+        attend[: len(frontier), : self.committed] = True
+        for row in range(width):
+            attend[row, drafted + row] = True
         for row, node in enumerate(frontier):
-            attend[row, committed + len(slot_nodes) + row] = True
             ancestor = tree.parents[node]
             while ancestor > 0:  # the root's entry is the last committed slot
-                attend[row, committed + slot_of[ancestor]] = True
+                attend[row, self.committed + slot_of[ancestor]] = True
                 ancestor = tree.parents[ancestor]
-        return attend.to(device)[None, None]
+        return attend.to(self.state.root_feature.device)[None, None]
+
+    def drafted(self, width: int) -> None:
+        """The head wrote ``width`` cache entries for the pending frontier (padding after it)."""
+        frontier = self.pending[1]
+        self.slot_nodes.extend([*frontier, *[-1] * (width - len(frontier))])
+
+
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """[F_b, ...] each -> [B, width, ...], zeros after each row's own F_b."""
+    out = rows[0].new_zeros(len(rows), width, *rows[0].shape[1:])
+    for b, row in enumerate(rows):
+        out[b, : row.shape[0]] = row
+    return out

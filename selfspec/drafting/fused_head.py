@@ -49,38 +49,51 @@ class FusedEagleHead:
         cache: EagleCache,
     ) -> torch.Tensor:
         """Predicted features # [1, S, H]; the cache gets S entries per layer."""
-        plan = self._current_plan(features)
-        if plan is None or (cache.lengths and len(set(cache.lengths)) != 1):
+        out = self.rows(token_embeds, features, positions, [attend], [cache])
+        if out is None:
             return self.head(token_embeds, features, positions, attend, cache)
+        return out
+
+    def rows(
+        self,
+        token_embeds: torch.Tensor,  # [B, S, H]
+        features: torch.Tensor,  # [B, S, H]
+        positions: torch.Tensor,  # [B, S]
+        attends: list[torch.Tensor | None],  # B of [1, 1, S, P_b + S] bool; None: causal
+        caches: list[EagleCache],  # row b's own cache (P_b entries)
+    ) -> torch.Tensor | None:
+        """Row b's predicted features over its own cache, all rows in one C++ call # [B, S, H];
+        each cache gets S entries per layer. None where the fused path cannot run now (nothing
+        was written): the caller runs the head itself."""
+        plan = self._current_plan(features)
+        if plan is None or any(c.lengths and len(set(c.lengths)) != 1 for c in caches):
+            return None
         head = self.head
-        x = head.fuse(torch.cat([token_embeds, features], dim=-1))  # [1, S, H]
-        length = x.shape[1]
+        x = head.fuse(torch.cat([token_embeds, features], dim=-1))  # [B, S, H]
+        length, layers = x.shape[1], len(head.layers)
         layer0 = head.layers[0]
         like = x.new_empty(1, layer0.num_heads, length, layer0.head_dim)
-        reserved = [cache.reserve(index, like, like) for index in range(len(head.layers))]
-        start = reserved[0][2]
-        mask = None
-        if attend is not None:  # [1, 1, S, start + S] bool -> [1, S, start + S] additive
-            allowed = attend[0].to(device=x.device)
-            mask = torch.zeros(allowed.shape, dtype=torch.float32, device=x.device)
-            mask.masked_fill_(~allowed, -math.inf)
-        cos, sin = rotary(positions, layer0.head_dim, head.config.rope_theta)  # [1, 1, S, D]
+        reserved = [[c.reserve(index, like, like) for index in range(layers)] for c in caches]
+        starts = [own[0][2] for own in reserved]
+        masks = [None if attend is None else _additive(attend, x.device) for attend in attends]
+        cos, sin = rotary(positions, layer0.head_dim, head.config.rope_theta)  # [B, 1, S, D]
         out = extension.load().decoder_body(
             plan,
             x.contiguous(),
             cos[:, 0].contiguous(),
             sign_folded(sin[:, 0]).contiguous(),
-            [keys for keys, _, _ in reserved],
-            [values for _, values, _ in reserved],
-            [start],
-            [mask],
+            [own[index][0] for index in range(layers) for own in reserved],  # [layer * B + b]
+            [own[index][1] for index in range(layers) for own in reserved],
+            starts,
+            masks,
             [],
             [],
             [],
             extension.requested_isa(),
         )[0]
-        for index in range(len(head.layers)):
-            cache.extend(index, length)
+        for c in caches:
+            for index in range(layers):
+                c.extend(index, length)
         return out
 
     def _current_plan(self, features: torch.Tensor):
@@ -118,6 +131,13 @@ class FusedEagleHead:
             self._plan = module.BodyPlan(plans)
             self._plan_key, self._plan_weights = key, weights
         return self._plan
+
+
+def _additive(attend: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[1, 1, S, P + S] bool -> [1, S, P + S] additive (0 where allowed, -inf elsewhere)."""
+    allowed = attend[0].to(device=device)
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return mask.masked_fill_(~allowed, -math.inf)
 
 
 def _kernel_weight(linear: nn.Module) -> KernelWeight | None:

@@ -4,6 +4,8 @@ The head is reached through ``expand(tree, frontier) -> draft logits # [F, N]`` 
 children of each frontier node, so Medusa (one distribution per depth) and EAGLE (one forward per
 depth) share the same growth, scoring and selection. N is the draft vocabulary (the whole
 vocabulary unless the heads carry a smaller one); ``projection`` maps draws back to token ids.
+A ``growth`` yields each frontier and is sent its logits, so several requests' trees can grow in
+lock step with one head call per depth for all of them (``EagleDrafter.draft_many``).
 
 A dynamic tree's size is either fixed (its ``budget``) or chosen per step by a ``TreeSizer``
 from the measured cost of verification (see ``sizing.py``).
@@ -12,7 +14,7 @@ from the measured cost of verification (see ``sizing.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -89,17 +91,16 @@ def draw_children(
     return tokens, logprobs.gather(-1, tokens.clamp(min=0)), probs
 
 
-def _expand_frontier(
+def _record_children(
     tree: GrowingTree,
     frontier: list[int],
+    logits: torch.Tensor,  # [F, N] the head's scores for the frontier's children
     k: int,
-    expand: ExpandFn,
     plan: DraftPlan,
     generator: torch.Generator | None,
     projection: DraftProjection | None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Draw k children for each frontier node; record the draft rows. Returns tokens, logprobs."""
-    logits = expand(tree, frontier)  # [F, N]
     indices, logprobs, probs = draw_children(logits, k, plan, generator)
     tokens = indices if projection is None else projection.token_ids(indices)  # [F, k]
     for i, node in enumerate(frontier):
@@ -109,23 +110,74 @@ def _expand_frontier(
     return tokens.tolist(), logprobs.tolist()
 
 
-def grow_dynamic(
+Growth = Generator[tuple[GrowingTree, list[int]], torch.Tensor, Tree]
+"""A tree being grown: yields (tree so far, frontier) whenever it needs the head's draft logits
+for the frontier's children, is sent them # [F, N], and returns the finished Tree."""
+
+Clock = Callable[[], float]
+"""Seconds of drafting spent on this tree so far (the adaptive sizer prices depth with it)."""
+
+
+def growth(
+    root_token: int,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
+    projection: DraftProjection | None = None,
+    clock: Clock | None = None,
+) -> Growth:
+    """The tree of ``plan`` grown from ``root_token``, one frontier at a time: a caller may drive
+    several requests' growths in lock step and score all their frontiers in one head call
+    (``EagleDrafter.draft_many``). ``clock``: None times this growth from now."""
+    if clock is None:
+        clock = _stopwatch()
+    if isinstance(plan.tree, StaticTree):
+        return _grow_static(root_token, plan.tree, plan, generator, projection)
+    return _grow_dynamic(root_token, plan.tree, plan, generator, projection, clock)
+
+
+def grow_tree(
     root_token: int,
     expand: ExpandFn,
-    spec: DynamicTree,
     plan: DraftPlan,
     generator: torch.Generator | None,
     projection: DraftProjection | None = None,
 ) -> Tree:
+    """One request's tree, its frontiers scored by ``expand``."""
+    return drive(growth(root_token, plan, generator, projection), expand)
+
+
+def drive(grown: Growth, expand: ExpandFn) -> Tree:
+    """Run a growth to its tree, answering each frontier with ``expand``."""
+    try:
+        tree, frontier = next(grown)
+        while True:
+            tree, frontier = grown.send(expand(tree, frontier))
+    except StopIteration as finished:
+        return finished.value
+
+
+def _stopwatch() -> Clock:
+    started = time.perf_counter()
+    return lambda: time.perf_counter() - started
+
+
+def _grow_dynamic(
+    root_token: int,
+    spec: DynamicTree,
+    plan: DraftPlan,
+    generator: torch.Generator | None,
+    projection: DraftProjection | None,
+    clock: Clock,
+) -> Growth:
     tree = GrowingTree(tokens=[root_token])
     frontier = [0]
     if spec.adaptive and plan.sizer is None:
         raise ValueError("an adaptive tree needs a TreeSizer (a generator with a cost curve)")
     sizer = plan.sizer if spec.adaptive else None
-    started = time.perf_counter()
     for depth in range(1, spec.depth + 1):
-        tokens, logprobs = _expand_frontier(
-            tree, frontier, spec.top_k, expand, plan, generator, projection
+        logits = yield tree, frontier
+        tokens, logprobs = _record_children(
+            tree, frontier, logits, spec.top_k, plan, generator, projection
         )
         new_nodes = [
             tree.add(parent, token, rank, logprob)
@@ -139,11 +191,7 @@ def grow_dynamic(
         frontier = sorted(new_nodes, key=lambda n: -tree.scores[n])[: spec.top_k]
         frontier.sort()
         if sizer is not None and not sizer.grow_deeper(
-            tree.scores[1:],
-            [tree.scores[n] for n in frontier],
-            time.perf_counter() - started,
-            depth,
-            spec,
+            tree.scores[1:], [tree.scores[n] for n in frontier], clock(), depth, spec
         ):
             break
     # Keep the best drafted nodes. A child never outscores its parent (log-probs <= 0) and ties
@@ -152,19 +200,18 @@ def grow_dynamic(
     budget = spec.budget
     if sizer is not None and not plan.defer_keep:
         scores = [tree.scores[n] for n in ranked[:budget]]
-        budget = sizer.keep(scores, time.perf_counter() - started)
+        budget = sizer.keep(scores, clock())
     keep = [0, *sorted(ranked[:budget])]
     return _finish(tree, keep, plan, projection, pruned=len(keep) < tree.size)
 
 
-def grow_static(
+def _grow_static(
     root_token: int,
-    expand: ExpandFn,
     spec: StaticTree,
     plan: DraftPlan,
     generator: torch.Generator | None,
-    projection: DraftProjection | None = None,
-) -> Tree:
+    projection: DraftProjection | None,
+) -> Growth:
     tree = GrowingTree(tokens=[root_token])
     node_of: dict[tuple[int, ...], int] = {(): 0}
     prefixes = spec.nodes()
@@ -175,8 +222,9 @@ def grow_static(
             break
         frontier = [node_of[p] for p in parents]
         width = 1 + max(p[-1] for p in layer)
-        tokens, logprobs = _expand_frontier(
-            tree, frontier, width, expand, plan, generator, projection
+        logits = yield tree, frontier
+        tokens, logprobs = _record_children(
+            tree, frontier, logits, width, plan, generator, projection
         )
         row_of = {parent: i for i, parent in enumerate(parents)}
         for prefix in layer:  # sorted by (parent prefix, rank): siblings in draw order
@@ -186,18 +234,6 @@ def grow_static(
                     node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
                 )
     return _finish(tree, list(range(tree.size)), plan, projection)
-
-
-def grow_tree(
-    root_token: int,
-    expand: ExpandFn,
-    plan: DraftPlan,
-    generator: torch.Generator | None,
-    projection: DraftProjection | None = None,
-) -> Tree:
-    if isinstance(plan.tree, StaticTree):
-        return grow_static(root_token, expand, plan.tree, plan, generator, projection)
-    return grow_dynamic(root_token, expand, plan.tree, plan, generator, projection)
 
 
 def _finish(

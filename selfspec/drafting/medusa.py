@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from selfspec.drafting.base import DraftRequest
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.drafting.projection import DraftProjection
 from selfspec.heads.draft_vocab import draft_vocab_of
@@ -50,6 +52,10 @@ class MedusaDrafter:
             return head_logits[depths]  # [F, N]
 
         return grow_tree(root_token, expand, plan, generator, self.projection)
+
+    def draft_many(self, requests: Sequence[DraftRequest]) -> list[Tree]:
+        """One by one: a Medusa draft is one heads call per request already."""
+        return [self.draft(r.state, r.root_token, r.plan, r.generator) for r in requests]
 
     def advance(
         self,

@@ -106,6 +106,39 @@ def test_a_failed_batched_forward_is_retried_one_by_one(server_for, monkeypatch)
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_requests_of_one_adapter_draft_together_and_a_failed_draft_retries_alone(
+    server_for, monkeypatch
+) -> None:
+    """The round's requests on one adapter draft in one batched heads call; should it fail,
+    each of them drafts alone and its output is unchanged."""
+    from selfspec.generation import GenerationStream
+
+    real = GenerationStream.draft_together
+    groups: list[int] = []
+
+    def counted(streams, *args):
+        groups.append(len(streams))
+        return real(streams, *args)
+
+    def fails(streams, *args):
+        groups.append(-len(streams))
+        raise RuntimeError("injected failure in batched drafting")
+
+    with server_for(max_running=8, max_queue=8) as (url, _, _):
+        bodies = [{**b, "max_tokens": 16, "ignore_eos": True} for b in REQUESTS]
+        serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
+        for patched in (counted, fails):
+            groups.clear()
+            monkeypatch.setattr(GenerationStream, "draft_together", staticmethod(patched))
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                replies = list(pool.map(lambda body: _post(url, body), bodies))
+            monkeypatch.undo()
+            assert [r.status_code for r in replies] == [200] * len(bodies)
+            assert [r.json()["choices"][0]["text"] for r in replies] == serial
+            assert groups and max(abs(g) for g in groups) >= 2, "no adapter's requests met"
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_every_verification_is_timed_for_tree_sizing(server_for, monkeypatch) -> None:
     """Batched or alone, each verified tree reports its forward's time and padded token count
     to its generator, which keeps the request's cost scale (adaptive tree sizing under load)."""

@@ -1,0 +1,92 @@
+"""Several requests drafted in one heads call (``GenerationStream.draft_together``, EAGLE's
+``draft_many``): on the fused head every row reads its own cache, so each request's tree is the
+one it drafts alone, bit for bit, whatever the other requests' cache lengths and frontiers; on
+the torch path the requests' growths still run in lock step, each head call on its own."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from test_exact_speculation import kernel_model
+
+from selfspec.drafting.fused_head import FusedEagleHead
+from selfspec.generation import GenerationConfig, GenerationStream, SpeculativeGenerator
+from selfspec.heads import build_heads, heads_config_for
+from selfspec.tree import DynamicTree
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 2]]
+
+
+def _generator() -> SpeculativeGenerator:
+    model = kernel_model("llama", "float32")
+    config = replace(heads_config_for(model, "eagle"), num_layers=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        heads = build_heads(config).eval()
+        with torch.no_grad():  # random, not the identity the untrained head starts as
+            for parameter in heads.parameters():
+                parameter.normal_(0.0, 0.3 if parameter.dim() > 1 else 1.0)
+    return SpeculativeGenerator(model, heads)
+
+
+def test_requests_drafted_together_get_the_trees_they_draft_alone(
+    kernel_path: str, monkeypatch
+) -> None:
+    generator = _generator()
+    config = GenerationConfig(
+        max_new_tokens=24, tree=DynamicTree(top_k=3, depth=4, budget=9), stop_token_ids=()
+    )
+    rows_seen: list[int] = []
+    real_rows = FusedEagleHead.rows
+
+    def rows(self, token_embeds, *args):
+        out = real_rows(self, token_embeds, *args)
+        rows_seen.append(0 if out is None else token_embeds.shape[0])
+        return out
+
+    monkeypatch.setattr(FusedEagleHead, "rows", rows)
+    alone = [generator.stream(prompt, config) for prompt in PROMPTS]
+    together = [generator.stream(prompt, config) for prompt in PROMPTS]
+    for stream in alone + together:
+        stream.start()
+    for _ in range(4):
+        own = [stream.draft() for stream in alone]
+        shared = GenerationStream.draft_together(together, 1, [True] * 3, [False] * 3)
+        for a, b in zip(own, shared, strict=True):
+            assert a.tree.size > 2
+            for name in ("tokens", "parents", "depths", "scores", "draws"):
+                assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
+        for stream, step in zip(alone, own, strict=True):
+            stream.verify(step)
+        for stream, step in zip(together, shared, strict=True):
+            stream.verify(step)
+    fused = kernel_path != "torch"  # on the torch path each request runs the head alone
+    assert max(rows_seen) == (len(PROMPTS) if fused else 0), rows_seen
+    for a, b in zip(alone, together, strict=True):
+        assert a.state.token_ids == b.state.token_ids
+        assert a.state.draft_state.cache.lengths == b.state.draft_state.cache.lengths
+
+
+def test_drafting_together_keeps_the_output_and_skips_non_speculating_rows(
+    kernel_path: str,
+) -> None:
+    generator = _generator()
+    tree = DynamicTree(top_k=3, depth=3, budget=6)
+    config = GenerationConfig(max_new_tokens=20, tree=tree, stop_token_ids=())
+    vanilla = [generator.generate(p, replace(config, speculate=False)).token_ids for p in PROMPTS]
+    streams = [generator.stream(prompt, config) for prompt in PROMPTS]
+    for stream in streams:
+        stream.start()
+    rounds = 0
+    while not all(stream.done for stream in streams):
+        running = [stream for stream in streams if not stream.done]
+        speculate = [rounds % 2 == 0 or i != 1 for i in range(len(running))]
+        steps = GenerationStream.draft_together(
+            running, len(running), speculate, [False] * len(running)
+        )
+        for stream, step, own in zip(running, steps, speculate, strict=True):
+            assert step.drafted == own and (own or step.tree.size == 1)
+            stream.verify(step)
+        rounds += 1
+    assert [stream.result.token_ids for stream in streams] == vanilla
