@@ -297,6 +297,7 @@ class LeanBody:
             [None if delta is None else delta[0] for delta in deltas],
             [None if delta is None else delta[1] for delta in deltas],
             isa,
+            None,  # the first layer normalises its own input
         )
         for cache, _, kept in caches:
             for layer in cache.layers:

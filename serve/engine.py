@@ -1,7 +1,8 @@
 """The engine: ONE worker thread owns the model and advances the running requests in rounds.
 
 Iteration-level scheduling: each round, new requests prefill (one forward each), and every
-decoding request drafts its tree; then the trees of all of them are verified in ONE target
+decoding request drafts its tree (the requests on one adapter together, one heads call per
+depth for all of them: ``GenerationStream.draft_together``); then the trees of all of them are verified in ONE target
 forward (`selfspec.batched_verify`: ragged caches and trees, padded and masked per row) under a
 mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each
 request concludes its step (verify, commit, stream). Waiting requests join between rounds and

@@ -126,10 +126,9 @@ class EagleDrafter:
         features), each over its own cache; the drafted entries' slots are recorded."""
         inputs = [item.frontier_inputs(self.target.device) for item in deeper]
         width = max(len(item.pending[1]) for item in deeper)
-        rows = getattr(self.fused, "rows", None)  # EAGLE-3's head has no fused form yet
         out = None
-        if rows is not None and len(deeper) > 1:
-            out = rows(
+        if len(deeper) > 1:
+            out = self.fused.rows(
                 self.target.embed(_padded([t for t, _, _ in inputs], width)),
                 _padded([f for _, f, _ in inputs], width),
                 _padded([p for _, _, p in inputs], width),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from selfspec.drafting.eagle import EagleDrafter, EagleState
+from selfspec.drafting.fused_head import FusedEagle3Head
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.target_forward import TargetForward
 
@@ -55,7 +56,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def __init__(self, head: Eagle3Head, target: TargetForward) -> None:
         self.head = head
-        self.fused = head  # its own layer (token and feature halves) has no fused form yet
+        self.fused = FusedEagle3Head(head)  # its layer in one C++ call where it can
         self.target = target
         self.target_layers: tuple[int, ...] = head.config.target_layers
         self.projection = Eagle3Projection(head, target.vocab_size)  # type: ignore[assignment]

@@ -14,6 +14,10 @@ so its bits differ from the torch path's: drafts only propose tokens (verificati
 output), and a request uses one path throughout. It stands aside (the torch path runs) when the
 kernels are not built, autograd is on, the input is not fp32 on the CPU, or any of the head's
 modules is not as installed: a hook, or a draft delta active for this request (``DeltaBank``).
+
+``FusedEagle3Head`` does the same for an EAGLE-3 head's ``midlayer``: the normalised embedding
+and feature side by side (2H wide) are the layer's attention input, given to ``decoder_body``
+beside the feature, which is its residual stream (a plan with no input norm).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from selfspec.fused_layer import hooked
 from selfspec.heads.eagle import EagleCache, EagleHead, rotary
+from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.kernels import extension
 from selfspec.kernels.modules import KernelLinear
 from selfspec.kernels.weights import KernelWeight
@@ -68,15 +73,14 @@ class FusedEagleHead:
         plan = self._current_plan(features)
         if plan is None or any(c.lengths and len(set(c.lengths)) != 1 for c in caches):
             return None
-        head = self.head
-        x = head.fuse(torch.cat([token_embeds, features], dim=-1))  # [B, S, H]
-        length, layers = x.shape[1], len(head.layers)
-        layer0 = head.layers[0]
-        like = x.new_empty(1, layer0.num_heads, length, layer0.head_dim)
+        x, attention_input = self._inputs(token_embeds, features)  # [B, S, H], [B, S, K] or None
+        length, layers = x.shape[1], len(self._layers())
+        kv_heads, head_dim = self._cache_shape()
+        like = x.new_empty(1, kv_heads, length, head_dim)
         reserved = [[c.reserve(index, like, like) for index in range(layers)] for c in caches]
         starts = [own[0][2] for own in reserved]
         masks = [None if attend is None else _additive(attend, x.device) for attend in attends]
-        cos, sin = rotary(positions, layer0.head_dim, head.config.rope_theta)  # [B, 1, S, D]
+        cos, sin = rotary(positions, head_dim, self.head.config.rope_theta)  # [B, 1, S, D]
         out = extension.load().decoder_body(
             plan,
             x.contiguous(),
@@ -90,11 +94,61 @@ class FusedEagleHead:
             [],
             [],
             extension.requested_isa(),
+            attention_input,
         )[0]
         for c in caches:
             for index in range(layers):
                 c.extend(index, length)
         return out
+
+    # -- what differs between head kinds ------------------------------------------------------
+
+    def _layers(self) -> list[nn.Module]:
+        return list(self.head.layers)
+
+    def _inputs(
+        self, token_embeds: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first layer's input stream # [B, S, H], and its attention input if it takes one
+        of its own (None: its input norm over the stream)."""
+        return self.head.fuse(torch.cat([token_embeds, features], dim=-1)), None
+
+    def _cache_shape(self) -> tuple[int, int]:
+        """(key/value heads, head dim) of the head's cache entries."""
+        layer = self.head.layers[0]
+        return layer.num_heads, layer.head_dim
+
+    @staticmethod
+    def _modules_of(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+        """A layer's norms and linear layers, as its plan reads them."""
+        return [layer.attn_norm, layer.mlp_norm], [layer.qkv, layer.out, layer.gate_up, layer.down]
+
+    @staticmethod
+    def _layer_plan(module, layer: nn.Module, weights: list[KernelWeight]):
+        """A ``DecoderLayerPlan`` of one EAGLE layer: q/k/v and gate/up split out of the fused
+        weights (all heads are key/value heads)."""
+        qkv, out, gate_up, down = weights
+        hidden, mlp = out.out_features, down.in_features
+        head_dim = layer.head_dim
+        return module.DecoderLayerPlan(
+            layer.attn_norm.weight.detach(),
+            _eps(layer.attn_norm),
+            layer.mlp_norm.weight.detach(),
+            _eps(layer.mlp_norm),
+            [
+                _rows(module, qkv, 0, hidden),
+                _rows(module, qkv, hidden, 2 * hidden),
+                _rows(module, qkv, 2 * hidden, 3 * hidden),
+                _rows(module, out, 0, hidden),
+                _rows(module, gate_up, 0, mlp),
+                _rows(module, gate_up, mlp, 2 * mlp),
+                _rows(module, down, 0, hidden),
+            ],
+            layer.num_heads,
+            layer.num_heads,
+            head_dim,
+            1.0 / math.sqrt(head_dim),
+        )
 
     def _current_plan(self, features: torch.Tensor):
         """The C++ plan of the head's layers, remade when a weight changed; None where the
@@ -106,17 +160,16 @@ class FusedEagleHead:
             or extension.load() is None
         ):
             return None
-        head = self.head
-        weights = []
-        for layer in head.layers:
-            linears = (layer.qkv, layer.out, layer.gate_up, layer.down)
-            if hooked(layer, layer.attn_norm, layer.mlp_norm, *linears):
+        weights, norms = [], []
+        for layer in self._layers():
+            layer_norms, linears = self._modules_of(layer)
+            if hooked(layer, *layer_norms, *linears):
                 return None
             found = [_kernel_weight(linear) for linear in linears]
             if any(weight is None for weight in found):
                 return None
             weights.append(found)
-        norms = [norm.weight for layer in head.layers for norm in (layer.attn_norm, layer.mlp_norm)]
+            norms += [norm.weight for norm in layer_norms]
         # A kernel weight is remade whenever its layer's weight changes (KernelLinear), so its
         # identity says whether the plan is current; the plan holds them, so ids stay unique.
         key = [id(w) for layer in weights for w in layer] + [
@@ -125,12 +178,56 @@ class FusedEagleHead:
         if key != self._plan_key:
             module = extension.load()
             plans = [
-                _layer_plan(module, layer, found)
-                for layer, found in zip(head.layers, weights, strict=True)
+                self._layer_plan(module, layer, found)
+                for layer, found in zip(self._layers(), weights, strict=True)
             ]
             self._plan = module.BodyPlan(plans)
             self._plan_key, self._plan_weights = key, weights
         return self._plan
+
+
+class FusedEagle3Head(FusedEagleHead):
+    """An EAGLE-3 head's forward through the kernels (see the module's docstring)."""
+
+    def __init__(self, head: Eagle3Head) -> None:
+        super().__init__(head)  # type: ignore[arg-type]
+
+    def _layers(self) -> list[nn.Module]:
+        return [self.head.midlayer]
+
+    def _inputs(
+        self, token_embeds: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        layer = self.head.midlayer
+        joined = torch.cat([layer.input_layernorm(token_embeds), layer.hidden_norm(features)], -1)
+        return features, joined  # [B, S, H] the residual stream, [B, S, 2H] attention's input
+
+    def _cache_shape(self) -> tuple[int, int]:
+        attention = self.head.midlayer.self_attn
+        return attention.kv_heads, attention.head_dim
+
+    @staticmethod
+    def _modules_of(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+        attention, mlp = layer.self_attn, layer.mlp
+        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
+        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+        return norms, [*linears, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+    @staticmethod
+    def _layer_plan(module, layer: nn.Module, weights: list[KernelWeight]):
+        """The ``midlayer``'s plan: no input norm (its attention input is given), q/k/v 2H wide."""
+        attention = layer.self_attn
+        return module.DecoderLayerPlan(
+            torch.empty(0),
+            0.0,
+            layer.post_attention_layernorm.weight.detach(),
+            _eps(layer.post_attention_layernorm),
+            [_rows(module, weight, 0, weight.out_features) for weight in weights],
+            attention.num_heads,
+            attention.kv_heads,
+            attention.head_dim,
+            1.0 / math.sqrt(attention.head_dim),
+        )
 
 
 def _additive(attend: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -162,33 +259,6 @@ def _rows(module, weight: KernelWeight, start: int, stop: int):
         None if weight.minimum is None else weight.minimum[start:stop],
         None,
         weight.group or weight.in_features,
-    )
-
-
-def _layer_plan(module, layer: nn.Module, weights: list[KernelWeight]):
-    """A ``DecoderLayerPlan`` of one EAGLE layer: q/k/v and gate/up split out of the fused
-    weights (all heads are key/value heads)."""
-    qkv, out, gate_up, down = weights
-    hidden, mlp = out.out_features, down.in_features
-    head_dim = layer.head_dim
-    return module.DecoderLayerPlan(
-        layer.attn_norm.weight.detach(),
-        _eps(layer.attn_norm),
-        layer.mlp_norm.weight.detach(),
-        _eps(layer.mlp_norm),
-        [
-            _rows(module, qkv, 0, hidden),
-            _rows(module, qkv, hidden, 2 * hidden),
-            _rows(module, qkv, 2 * hidden, 3 * hidden),
-            _rows(module, out, 0, hidden),
-            _rows(module, gate_up, 0, mlp),
-            _rows(module, gate_up, mlp, 2 * mlp),
-            _rows(module, down, 0, hidden),
-        ],
-        layer.num_heads,
-        layer.num_heads,
-        head_dim,
-        1.0 / math.sqrt(head_dim),
     )
 
 

@@ -1,12 +1,14 @@
 """Several requests drafted in one heads call (``GenerationStream.draft_together``, EAGLE's
 ``draft_many``): on the fused head every row reads its own cache, so each request's tree is the
-one it drafts alone, bit for bit, whatever the other requests' cache lengths and frontiers; on
+one it drafts alone, bit for bit, whatever the other requests' cache lengths and frontiers
+(EAGLE and EAGLE-3 heads); on
 the torch path the requests' growths still run in lock step, each head call on its own."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from test_exact_speculation import kernel_model
 
@@ -18,9 +20,11 @@ from selfspec.tree import DynamicTree
 PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 2]]
 
 
-def _generator() -> SpeculativeGenerator:
+def _generator(kind: str = "eagle") -> SpeculativeGenerator:
     model = kernel_model("llama", "float32")
-    config = replace(heads_config_for(model, "eagle"), num_layers=2)
+    config = heads_config_for(model, kind)
+    if kind == "eagle":
+        config = replace(config, num_layers=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         heads = build_heads(config).eval()
@@ -30,10 +34,11 @@ def _generator() -> SpeculativeGenerator:
     return SpeculativeGenerator(model, heads)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_requests_drafted_together_get_the_trees_they_draft_alone(
-    kernel_path: str, monkeypatch
+    kernel_path: str, kind: str, monkeypatch
 ) -> None:
-    generator = _generator()
+    generator = _generator(kind)
     config = GenerationConfig(
         max_new_tokens=24, tree=DynamicTree(top_k=3, depth=4, budget=9), stop_token_ids=()
     )

@@ -10,7 +10,7 @@ import torch
 from conftest import cpp_paths
 from tiny_models import make_tiny_model
 
-from selfspec.drafting.fused_head import FusedEagleHead
+from selfspec.drafting.fused_head import FusedEagle3Head, FusedEagleHead
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.heads.delta import Delta, DeltaBank, DeltaConfig, delta_modules
 from selfspec.heads.eagle import EagleCache
@@ -19,10 +19,11 @@ from selfspec.kernels.modules import install_kernels
 pytestmark = pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
 
 
-def _head(layers: int = 1, kernels: bool = True):
+def _head(layers: int = 1, kernels: bool = True, kind: str = "eagle"):
     model = make_tiny_model("llama")
-    config = heads_config_for(model, "eagle")
-    config = replace(config, num_layers=layers)
+    config = heads_config_for(model, kind)
+    if kind == "eagle":
+        config = replace(config, num_layers=layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         head = build_heads(config).eval()
@@ -46,10 +47,10 @@ def _steps(forward, head, cache: EagleCache) -> list[torch.Tensor]:
     return [first, second, *cache.keys, *cache.values]
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_fused_head_computes_the_head_up_to_rounding(layers: int) -> None:
-    head = _head(layers)
-    fused = FusedEagleHead(head)
+@pytest.mark.parametrize(("kind", "layers"), [("eagle", 1), ("eagle", 2), ("eagle3", 1)])
+def test_fused_head_computes_the_head_up_to_rounding(kind: str, layers: int) -> None:
+    head = _head(layers, kind=kind)
+    fused = (FusedEagleHead if kind == "eagle" else FusedEagle3Head)(head)
     with torch.inference_mode():
         expected = _steps(head, head, EagleCache())
         cache = EagleCache()

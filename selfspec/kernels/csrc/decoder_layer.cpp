@@ -36,16 +36,21 @@ DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Te
                            int64_t kv_heads, int64_t head_dim, double scaling) {
   TORCH_CHECK(linears.size() == 7, "a decoder layer has 7 linear layers (q, k, v, o, gate, up, "
               "down), got ", linears.size());
-  check_norm(input_norm, "input norm");
   check_norm(post_norm, "post-attention norm");
+  // An empty input norm: the caller gives the layer's attention input itself, normalised, of any
+  // width q/k/v agree on (EAGLE-3's [norm(embedding); norm(feature)], 2H wide; decoder_body).
+  const bool given_input = input_norm.numel() == 0;
+  if (!given_input) check_norm(input_norm, "input norm");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
               "heads must be a positive multiple of kv_heads");
-  const int64_t hidden = input_norm.size(0);
+  const int64_t hidden = post_norm.size(0);
   const KernelMatrix &q = linears[0], &k = linears[1], &v = linears[2], &o = linears[3];
   const KernelMatrix &gate = linears[4], &up = linears[5], &down = linears[6];
-  TORCH_CHECK(post_norm.size(0) == hidden, "the two norms differ in size");
-  TORCH_CHECK(q.K == hidden && k.K == hidden && v.K == hidden && gate.K == hidden && up.K == hidden,
-              "q, k, v, gate and up must take ", hidden, " features");
+  TORCH_CHECK(given_input || input_norm.size(0) == hidden, "the two norms differ in size");
+  const int64_t width = given_input ? q.K : hidden;
+  TORCH_CHECK(q.K == width && k.K == width && v.K == width, "q, k and v must take ", width,
+              " features");
+  TORCH_CHECK(gate.K == hidden && up.K == hidden, "gate and up must take ", hidden, " features");
   TORCH_CHECK(q.N == heads * head_dim && k.N == kv_heads * head_dim && v.N == kv_heads * head_dim,
               "q, k, v outputs must be heads x head_dim");
   TORCH_CHECK(o.K == heads * head_dim && o.N == hidden, "o must map heads x head_dim to ", hidden);
@@ -83,14 +88,27 @@ torch::Tensor linear_plus(const torch::Tensor& x, const KernelMatrix& w, const L
 // hidden [B, S, H] -> (query [B, S, heads, D], key [B, kv_heads, S, D], value [B, kv_heads, S, D]):
 // the input norm, q/k/v projections and rotary embedding (query and key rotated; key and value
 // transposed views, as the cache takes them).
+// A plan with an empty input norm reads `given` [B, S, q.K] (already normalised) instead.
 std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const torch::Tensor& hidden,
                                             const torch::Tensor& cos,
                                             const torch::Tensor& signed_sin,
                                             const std::string& isa,
-                                            const LayerDeltas& d = kNoDeltas) {
+                                            const LayerDeltas& d = kNoDeltas,
+                                            const torch::Tensor& given = torch::Tensor()) {
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
   const int64_t B = hidden.size(0), S = hidden.size(1);
-  const torch::Tensor normed = rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
+  const bool wants_given = p.input_norm.numel() == 0;
+  TORCH_CHECK(wants_given == given.defined(), wants_given
+                  ? "this layer's plan has no input norm: give its attention input"
+                  : "an attention input was given to a layer that normalises its own");
+  if (wants_given) {
+    TORCH_CHECK(given.dim() == 3 && given.size(0) == B && given.size(1) == S &&
+                    given.size(2) == p.q.K && given.scalar_type() == torch::kFloat32,
+                "the attention input must be float32 [", B, ", ", S, ", ", p.q.K, "], got ",
+                given.sizes());
+  }
+  const torch::Tensor normed =
+      wants_given ? given.contiguous() : rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
   torch::Tensor query = linear_plus(normed, p.q, d, 0, isa).view({B, S, p.heads, p.head_dim});
   torch::Tensor key = linear_plus(normed, p.k, d, 1, isa).view({B, S, p.kv_heads, p.head_dim});
   torch::Tensor value = linear_plus(normed, p.v, d, 2, isa).view({B, S, p.kv_heads, p.head_dim});
@@ -162,6 +180,9 @@ BodyPlan make_body_plan(std::vector<DecoderLayerPlan> layers) {
 // S] (additive; none: causal). Linear layers run on all rows at once, attention row by row
 // (it is row-invariant: the same bits as over a batched cache). The same kernels and ops in the
 // same order as the three calls per layer with the cache update between them: the same bits.
+// `attention_input` [B, S, K]: the first layer's attention input when its plan has no input norm
+// (EAGLE-3's head: q/k/v read the normalised embedding and feature side by side, while `hidden`,
+// the feature, is the residual stream); none otherwise.
 std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidden,
                                         const torch::Tensor& cos, const torch::Tensor& signed_sin,
                                         const std::vector<torch::Tensor>& key_buffers,
@@ -171,7 +192,8 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                                         const std::vector<int64_t>& capture,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_a,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_b,
-                                        const std::string& isa) {
+                                        const std::string& isa,
+                                        const c10::optional<torch::Tensor>& attention_input) {
   const size_t L = body.layers.size();
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
   const int64_t B = hidden.size(0), S = hidden.size(1);
@@ -211,7 +233,9 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
       deltas.a[j] = a.has_value() ? *a : torch::Tensor();
       deltas.b[j] = b.has_value() ? *b : torch::Tensor();
     }
-    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa, deltas);
+    const torch::Tensor given =
+        l == 0 && attention_input.has_value() ? *attention_input : torch::Tensor();
+    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa, deltas, given);
     std::vector<torch::Tensor> attended(B);
     for (int64_t b = 0; b < B; ++b) {
       const torch::Tensor &keys = key_buffers[l * B + b], &values = value_buffers[l * B + b];
