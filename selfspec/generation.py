@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache, PreTrainedModel
 
 from selfspec.cost_curve import CostCurve, elapsed_seconds
-from selfspec.drafting import Drafter, DraftPlan, DraftRequest, make_drafter
+from selfspec.drafting import AdvanceRequest, Drafter, DraftPlan, DraftRequest, make_drafter
 from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
@@ -455,9 +455,11 @@ class SpeculativeGenerator:
         """Each step's tree as ``draft`` gives it, the speculating ones drafted together in one
         batched call of the heads (``Drafter.draft_many``); each is priced with its share of
         the drafting time. The caller runs them under one scope (the same adapter)."""
+        speculating = [step.config.speculate and step.speculate for step in steps]
+        self._catch_up([step.state for step, own in zip(steps, speculating, strict=True) if own])
         plans = [  # None: the root alone this step
-            self._plan(step, batch_size) if step.config.speculate and step.speculate else None
-            for step in steps
+            self._plan(step, batch_size) if own else None
+            for step, own in zip(steps, speculating, strict=True)
         ]
         requests = [
             DraftRequest(step.state.draft_state, step.state.root_token, plan, step.state.generator)
@@ -492,10 +494,9 @@ class SpeculativeGenerator:
         return out
 
     def _plan(self, step: StepToDraft, batch_size: int) -> DraftPlan:
-        """How ``step`` drafts (its draft state first caught up); with ``joint`` and an
-        adaptive tree, ``defer_keep``: the caller sizes the tree."""
+        """How ``step`` drafts; with ``joint`` and an adaptive tree, ``defer_keep``: the caller
+        sizes the tree."""
         state, config = step.state, step.config
-        self._catch_up(state)
         sizer = (
             TreeSizer(
                 self.cost_curve,
@@ -526,17 +527,22 @@ class SpeculativeGenerator:
             buffers = tree_buffers(tree, state.committed_len, self.target.dtype)
         return replace(drafted, tree=tree, buffers=buffers)
 
-    def _catch_up(self, state: RequestState) -> None:
-        """Advance the draft state over the steps committed without drafting, in one call: the
-        pairs it appends are those the steps' own advances would have appended, in order (each
-        step's root is the bonus token of the one before)."""
-        if not state.deferred_advance:
+    def _catch_up(self, states: Sequence[RequestState]) -> None:
+        """Advance each state's draft state over the steps it committed without advancing it
+        (plain rounds of the server's gate, or advances deferred by a batched conclude), all of
+        them in one drafter call: the pairs each appends are those the steps' own advances would
+        have appended, in order (each step's root is the bonus token of the one before)."""
+        behind = [state for state in states if state.deferred_advance]
+        if not behind:
             return
-        features = torch.cat([f for f, _ in state.deferred_advance])  # [sum A, F]
-        tokens = torch.cat([t for _, t in state.deferred_advance])  # [sum A]
-        state.deferred_advance.clear()
+        requests = []
+        for state in behind:
+            features = torch.cat([f for f, _ in state.deferred_advance])  # [sum A, F]
+            tokens = torch.cat([t for _, t in state.deferred_advance])  # [sum A]
+            state.deferred_advance.clear()
+            requests.append(AdvanceRequest(state.draft_state, features, tokens, state.root_token))
         with record_function("selfspec.draft_advance"):
-            self.drafter.advance(state.draft_state, features, tokens, state.root_token)
+            self.drafter.advance_many(requests)
 
     def step(self, state: RequestState, config: GenerationConfig) -> list[int]:
         """Draft, verify in one target forward, commit. Returns the newly committed tokens.
@@ -579,9 +585,12 @@ class SpeculativeGenerator:
         drafted: DraftedStep,
         features: torch.Tensor,  # [T, H]: the tree's target features, its KV entries cached
         logits: torch.Tensor | None = None,  # [T, vocab]: the lm_head's, if already computed
+        defer_advance: bool = False,
     ) -> list[int]:
         """Verify a drafted tree from its features, commit the accepted path to the KV cache and
-        the draft state. Returns the newly committed tokens (accepted drafts, then the bonus)."""
+        the draft state. Returns the newly committed tokens (accepted drafts, then the bonus).
+        ``defer_advance``: the draft state catches up at the next step that drafts instead (a
+        batch's requests then advance in one drafter call, ``draft_many``)."""
         tree = drafted.tree
         if logits is None:
             with record_function("selfspec.verify_lm_head"):
@@ -601,7 +610,7 @@ class SpeculativeGenerator:
         if config.speculate:
             draft_features = features if state.taps is None else _take_draft_features(state)
             path_features = draft_features[verdict.accepted]  # [A, F]
-            if drafted.drafted:
+            if drafted.drafted and not defer_advance:
                 with record_function("selfspec.draft_advance"):
                     self.drafter.advance(
                         state.draft_state, path_features, accepted_tokens, verdict.bonus
@@ -610,7 +619,7 @@ class SpeculativeGenerator:
                 state.deferred_advance.append((path_features, accepted_tokens))
         state.root_token = verdict.bonus
         if sum(len(tokens) for _, tokens in state.deferred_advance) >= MAX_DEFERRED_TOKENS:
-            self._catch_up(state)  # bounded memory however long drafting stays off
+            self._catch_up([state])  # bounded memory however long drafting stays off
         if config.logprobs is not None:
             # Token i of the path (and then the bonus) was chosen by the row of its parent.
             chosen = torch.cat([accepted_tokens[1:], accepted_tokens.new_tensor([verdict.bonus])])
@@ -795,14 +804,21 @@ class GenerationStream:
         return self._owner.resize(self._decoding_state(), drafted, count)
 
     def conclude(
-        self, drafted: DraftedStep, features: torch.Tensor, logits: torch.Tensor | None = None
+        self,
+        drafted: DraftedStep,
+        features: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        defer_advance: bool = False,
     ) -> StepOutput:
         """Finish the step of ``draft()``: features # [T, H] of its tree, whose KV entries the
         caller's forward appended to this request's cache (and their logits # [T, vocab], if
-        the caller computed them)."""
+        the caller computed them). ``defer_advance``: the draft state catches up when the
+        request next drafts (``draft_together`` advances a batch's requests in one call)."""
         state = self._decoding_state()
         with torch.inference_mode(), self._scope():
-            committed = self._owner.conclude(state, self._config, drafted, features, logits)
+            committed = self._owner.conclude(
+                state, self._config, drafted, features, logits, defer_advance
+            )
         return self._after_step(state, committed)
 
     def _decoding_state(self) -> RequestState:

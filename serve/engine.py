@@ -1,17 +1,18 @@
 """The engine: ONE worker thread owns the model and advances the running requests in rounds.
 
-Iteration-level scheduling: each round, new requests prefill (one forward each), and every
-decoding request drafts its tree (the requests on one adapter together, one heads call per
-depth for all of them: ``GenerationStream.draft_together``); then the trees of all of them are verified in ONE target
+Iteration-level scheduling: each round, new requests prefill (one forward each), and every decoding
+request drafts its tree (the requests on one adapter together, one heads call per depth for all of
+them: `GenerationStream.draft_together`, which first advances their draft states over the last
+round's accepted paths, also in one call); then the trees of all of them are verified in ONE target
 forward (`selfspec.batched_verify`: ragged caches and trees, padded and masked per row) under a
-mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each
-request concludes its step (verify, commit, stream). Waiting requests join between rounds and
-finished or cancelled ones leave. Requests whose adapters fell back to peft form a batch of
-their own (one forward cannot mix the two LoRA paths). A request's state (KV cache, draft
-state, generator) is its own and a row of the batch sees only its own cache, so output never
-depends on what else is running (up to float summation order in batched kernels; the tests
-check that greedy outputs equal the requests run alone). `batch_verify=False` interleaves one
-forward per request instead (the behaviour before batching, kept for comparison).
+mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each request
+concludes its step (verify, commit, stream). Waiting requests join between rounds and finished or
+cancelled ones leave. Requests whose adapters fell back to peft form a batch of their own (one
+forward cannot mix the two LoRA paths). A request's state (KV cache, draft state, generator) is its
+own and a row of the batch sees only its own cache, so output never depends on what else is running
+(up to float summation order in batched kernels; the tests check that greedy outputs equal the
+requests run alone). `batch_verify=False` interleaves one forward per request instead (the
+behaviour before batching, kept for comparison).
 
 The HTTP side talks to the worker through `RequestHandle`s, one per HTTP request: an HTTP
 request asking for `n` choices is `n` engine requests (jobs) admitted together, all or none,
@@ -466,7 +467,9 @@ class Engine:
         padded_tokens = len(drafted) * max(sizes)  # what the forward ran, as the cost curve counts
         for (job, step), own, own_logits in zip(drafted, features, logits, strict=True):
             job.stream.owner.observe_verification(job.stream.state, seconds, padded_tokens)
-            if not self._guarded(job, partial(job.stream.conclude, step, own, own_logits)):
+            # The draft states advance at the next round, all in one heads call.
+            conclude = partial(job.stream.conclude, step, own, own_logits, defer_advance=True)
+            if not self._guarded(job, conclude):
                 left.append(job)
         return left
 

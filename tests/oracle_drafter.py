@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.drafting.base import DraftRequest
+from selfspec.drafting.base import AdvanceRequest, DraftRequest
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.tree import DraftSampling, Tree
 
@@ -112,6 +112,10 @@ class OracleDrafter:
         bonus: int,
     ) -> None:
         state.position += int(accepted_tokens.shape[0])
+
+    def advance_many(self, requests: Sequence[AdvanceRequest]) -> None:
+        for r in requests:
+            self.advance(r.state, r.accepted_features, r.accepted_tokens, r.bonus)
 
     def _logits(self, tree: GrowingTree, node: int, root_position: int) -> torch.Tensor:
         """Draft logits for the children of `node`. # [vocab]"""

@@ -1,12 +1,13 @@
 """Drafting: grow a tree from heads (Medusa, EAGLE or EAGLE-3)."""
 
-from selfspec.drafting.base import Drafter, DraftRequest
+from selfspec.drafting.base import AdvanceRequest, Drafter, DraftRequest
 from selfspec.drafting.eagle import EagleDrafter, EagleState
 from selfspec.drafting.eagle3 import Eagle3Drafter
 from selfspec.drafting.grow import DraftPlan, draw_children, grow_tree
 from selfspec.drafting.medusa import MedusaDrafter, MedusaState
 
 __all__ = [
+    "AdvanceRequest",
     "DraftPlan",
     "DraftRequest",
     "Drafter",

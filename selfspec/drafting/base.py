@@ -22,6 +22,16 @@ class DraftRequest:
     generator: torch.Generator | None
 
 
+@dataclass(frozen=True)
+class AdvanceRequest:
+    """One request's accepted path for ``Drafter.advance_many`` (see ``advance``)."""
+
+    state: Any
+    accepted_features: torch.Tensor  # [A, F] target features of the accepted path, root first
+    accepted_tokens: torch.Tensor  # [A]
+    bonus: int
+
+
 class Drafter(Protocol):
     """Stateless view of a set of heads; all per-request state lives in the returned state.
 
@@ -53,3 +63,7 @@ class Drafter(Protocol):
         accepted_tokens: torch.Tensor,  # [A]
         bonus: int,
     ) -> None: ...
+
+    def advance_many(self, requests: Sequence[AdvanceRequest]) -> None:
+        """Each request's ``advance``, together where the heads can (EAGLE: one head call)."""
+        ...

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from selfspec.drafting.base import DraftRequest
+from selfspec.drafting.base import AdvanceRequest, DraftRequest
 from selfspec.drafting.fused_head import FusedEagleHead
 from selfspec.drafting.grow import DraftPlan, GrowingTree, Growth, growth
 from selfspec.drafting.projection import DraftProjection
@@ -41,7 +41,9 @@ class EagleDrafter:
     ) -> EagleState:
         state = EagleState(root_feature=prompt_features[-1])
         first = torch.tensor([first_token], device=prompt_tokens.device)
-        self._append(state, prompt_features, torch.cat([prompt_tokens[1:], first]))
+        self._append(
+            state, self._head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
+        )
         return state
 
     def advance(
@@ -51,8 +53,33 @@ class EagleDrafter:
         accepted_tokens: torch.Tensor,
         bonus: int,
     ) -> None:
-        bonus_token = torch.tensor([bonus], device=accepted_tokens.device)
-        self._append(state, accepted_features, torch.cat([accepted_tokens[1:], bonus_token]))
+        self.advance_many([AdvanceRequest(state, accepted_features, accepted_tokens, bonus)])
+
+    def advance_many(self, requests: Sequence[AdvanceRequest]) -> None:
+        """Each request's accepted path committed to its draft state, as ``advance`` commits it;
+        on the fused path all paths go through the head in one call (each row over its own
+        cache, padded to the longest path, the padding's entries dropped afterwards)."""
+        pairs = [  # (state, head features # [A, H], next tokens # [A])
+            (
+                request.state,
+                self._head_features(request.accepted_features),
+                torch.cat(
+                    [
+                        request.accepted_tokens[1:],
+                        request.accepted_tokens.new_tensor([request.bonus]),
+                    ]
+                ),
+            )
+            for request in requests
+        ]
+        if len(pairs) > 1 and self._append_rows(pairs):
+            return
+        for state, features, next_tokens in pairs:
+            self._append(state, features, next_tokens)
+
+    def _head_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The decoding loop's features as the head reads them. # [A, F] -> [A, H]"""
+        return features
 
     def _append(self, state: EagleState, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Commit pairs (feature_j, token_{j+1}). features: # [A, H], next_tokens: # [A]"""
@@ -62,6 +89,30 @@ class EagleDrafter:
             self.target.embed(next_tokens)[None], features[None], positions[None], None, state.cache
         )  # [1, A, H]
         state.root_feature = predicted[0, -1]
+
+    def _append_rows(self, pairs: list[tuple[EagleState, torch.Tensor, torch.Tensor]]) -> bool:
+        """``_append`` for every pair in one fused head call; False (nothing written) where the
+        fused path cannot run."""
+        width = max(int(tokens.shape[0]) for _, _, tokens in pairs)
+        lengths = [state.cache.length for state, _, _ in pairs]
+        device = pairs[0][2].device
+        positions = [
+            torch.arange(length + 1, length + 1 + tokens.shape[0], device=device)
+            for length, (_, _, tokens) in zip(lengths, pairs, strict=True)
+        ]
+        out = self.fused.rows(
+            self.target.embed(_padded([tokens for _, _, tokens in pairs], width)),
+            _padded([features for _, features, _ in pairs], width),
+            _padded(positions, width),
+            [None] * len(pairs),  # causal: a row never sees the padding after it
+            [state.cache for state, _, _ in pairs],
+        )  # [B, width, H]
+        if out is None:
+            return False
+        for row, ((state, _, tokens), length) in enumerate(zip(pairs, lengths, strict=True)):
+            state.cache.crop(length + int(tokens.shape[0]))  # the padding's entries
+            state.root_feature = out[row, int(tokens.shape[0]) - 1]
+        return True
 
     def draft(
         self, state: EagleState, root_token: int, plan: DraftPlan, generator: torch.Generator | None

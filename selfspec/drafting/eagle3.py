@@ -72,27 +72,16 @@ class Eagle3Drafter(EagleDrafter):
         prompt_tokens: torch.Tensor,  # [S]
         first_token: int,
     ) -> EagleState:
-        self._check_width(prompt_features)
         state = EagleState(root_feature=prompt_features.new_zeros(self.head.config.hidden_size))
         first = torch.tensor([first_token], device=prompt_tokens.device)
-        self._append(state, prompt_features, torch.cat([prompt_tokens[1:], first]))
+        self._append(
+            state, self._head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
+        )
         return state
 
-    def advance(
-        self,
-        state: EagleState,
-        accepted_features: torch.Tensor,  # [A, k*H] the accepted path's states at target_layers
-        accepted_tokens: torch.Tensor,  # [A]
-        bonus: int,
-    ) -> None:
-        self._check_width(accepted_features)
-        super().advance(state, accepted_features, accepted_tokens, bonus)
-
-    def _append(self, state: EagleState, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Commit pairs (g_j, token_{j+1}), g the fused states. features: # [A, k*H]"""
-        super()._append(state, self.head.fuse(features), next_tokens)
-
-    def _check_width(self, features: torch.Tensor) -> None:
+    def _head_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's states at ``target_layers`` fused by the head's ``fc``: committed pairs
+        are (g_j, token_{j+1}). # [A, k*H] -> [A, H]"""
         width = len(self.target_layers) * self.head.config.hidden_size
         if features.shape[-1] != width:
             raise ValueError(
@@ -100,3 +89,4 @@ class Eagle3Drafter(EagleDrafter):
                 f"concatenated ({width} wide), got features {features.shape[-1]} wide: the "
                 "forward ran without the heads' layer taps"
             )
+        return self.head.fuse(features)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selfspec.drafting.base import DraftRequest
+from selfspec.drafting.base import AdvanceRequest, DraftRequest
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.drafting.projection import DraftProjection
 from selfspec.heads.draft_vocab import draft_vocab_of
@@ -65,3 +65,7 @@ class MedusaDrafter:
         bonus: int,
     ) -> None:
         state.feature = accepted_features[-1]
+
+    def advance_many(self, requests: Sequence[AdvanceRequest]) -> None:
+        for r in requests:
+            self.advance(r.state, r.accepted_features, r.accepted_tokens, r.bonus)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_exact_speculation import kernel_model
 
+from selfspec.drafting.base import AdvanceRequest
 from selfspec.drafting.fused_head import FusedEagleHead
 from selfspec.generation import GenerationConfig, GenerationStream, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
@@ -95,3 +96,36 @@ def test_drafting_together_keeps_the_output_and_skips_non_speculating_rows(
             stream.verify(step)
         rounds += 1
     assert [stream.result.token_ids for stream in streams] == vanilla
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_paths_advanced_together_give_the_draft_states_of_advancing_alone(
+    kernel_path: str, kind: str
+) -> None:
+    drafter = _generator(kind).drafter
+    width = drafter.head.config.hidden_size * len(getattr(drafter, "target_layers", ()) or [1])
+    generator = torch.Generator().manual_seed(3)
+
+    def states():
+        return [
+            drafter.start(torch.randn(len(p), width, generator=g), torch.tensor(p), 7)
+            for p, g in ((p, torch.Generator().manual_seed(i)) for i, p in enumerate(PROMPTS))
+        ]
+
+    alone, together = states(), states()
+    with torch.inference_mode():
+        for _ in range(3):
+            paths = [  # accepted paths of different lengths, root first
+                (torch.randn(n, width, generator=generator), torch.randint(0, 50, (n,)), 11 + n)
+                for n in (1, 4, 2)
+            ]
+            for state, (features, tokens, bonus) in zip(alone, paths, strict=True):
+                drafter.advance(state, features, tokens, bonus)
+            drafter.advance_many(
+                [AdvanceRequest(s, *path) for s, path in zip(together, paths, strict=True)]
+            )
+    for a, b in zip(alone, together, strict=True):
+        assert a.cache.lengths == b.cache.lengths
+        assert torch.equal(a.root_feature, b.root_feature)
+        for x, y in zip(a.cache.keys + a.cache.values, b.cache.keys + b.cache.values, strict=True):
+            assert torch.equal(x, y)
