@@ -90,6 +90,10 @@ class DistilledDataModule(L.LightningDataModule):
         if not paths:
             raise DistilledDataError("train_data names no distilled directory")
         parts = [_load(path) for path in paths]
+        # Directories may carry different extra columns (a data-engine run with adapters
+        # records each row's answerer): train on the columns they all have.
+        common = set.intersection(*(set(part.column_names) for part in parts))
+        parts = [p.select_columns([c for c in p.column_names if c in common]) for p in parts]
         data = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
         if self.max_rows is not None:
             data = data.select(range(min(self.max_rows, len(data))))

@@ -47,6 +47,15 @@ def finished_key(path: Path) -> str | None:
         return None
 
 
+def empty_shard(path: Path) -> bool:
+    """Whether a finished shard recorded 0 rows (a data-engine shard whose every follow-up turn
+    was dropped): nothing to read, and ``datasets`` cannot load a 0-row directory back."""
+    try:
+        return json.loads((path / SHARD_META).read_text()).get("rows") == 0
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def write_shard(
     path: Path,
     columns: dict[str, Any],
@@ -111,6 +120,8 @@ def load_distilled(path: str | Path):
         )
     parts = []
     for shard in shards:
+        if empty_shard(shard):
+            continue
         try:
             part = load_from_disk(str(shard))
         except (FileNotFoundError, ValueError) as error:

@@ -17,7 +17,7 @@ from selfspec.train.datagen.dedup import DedupConfig, near_duplicates
 from selfspec.train.datagen.engine import DataEngine, EngineConfig
 from selfspec.train.datagen.passages import _roff_section
 from selfspec.train.datagen.plan import PlanConfig, plan
-from selfspec.train.shards import DistilledDataError, load_distilled
+from selfspec.train.shards import DistilledDataError, load_distilled, write_shard
 
 PASSAGES = [f"Passage {i} tells about rivers, hills and the town of Number{i}." for i in range(8)]
 
@@ -240,3 +240,90 @@ def test_a_grown_plan_keeps_every_finished_shard(chatty_target: Path, tmp_path: 
     lines = (out / "plan.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 24
     assert DataEngine(small)._plan() == DataEngine(_config(chatty_target, out))._plan()[:12]
+
+
+def _adapter(target: Path, path: Path) -> None:
+    """A LoRA adapter of ``target`` on the output projections (zero in the chatty target, so it
+    moves the states), random non-zero weights."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = AutoModelForCausalLM.from_pretrained(target)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"])
+        model = get_peft_model(model, config)
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(param, std=0.5)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def _features(root: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_adapters_answer_their_share_with_their_own_states(
+    chatty_target: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    _adapter(chatty_target, tmp_path / "adapters" / "loud")
+    plain = _config(chatty_target, tmp_path / "plain")
+    mixed = replace(
+        _config(chatty_target, tmp_path / "mixed"),
+        adapters=("loud",),
+        adapters_root=str(tmp_path / "adapters"),
+        adapter_share=0.5,
+    )
+    DataEngine(plain).run()
+    engine = DataEngine(mixed)
+    engine.run()
+    rows = load_distilled(tmp_path / "mixed" / "responses")
+    by = dict(zip(rows["source_index"], rows["answerer"], strict=True))
+    assert set(by.values()) == {"", "loud"}
+    assert all(engine.answerer(i) == (name or None) for i, name in by.items())
+    ours = _features(tmp_path / "mixed-features" / "responses")
+    theirs = _features(tmp_path / "plain-features" / "responses")
+    for index, name in by.items():  # the base's answers are the plain run's; the adapter's not
+        same = torch.equal(ours[str(index)], theirs[str(index)])
+        assert same == (name == ""), (index, name)
+    card = (tmp_path / "mixed" / "README.md").read_text()
+    assert "| loud |" in card and "| (base) |" in card
+    # Both runs train together (their columns differ by the answerer).
+    from selfspec.train.datamodule import DistilledDataModule
+
+    both = DistilledDataModule(
+        train_data=[str(tmp_path / "plain" / "responses"), str(tmp_path / "mixed" / "responses")],
+        val_fraction=0.0,
+        batch_size=2,
+    )
+    both.setup("fit")
+    assert len(both.train_set) == 2 * len(rows)
+    again = DataEngine(mixed).run()  # resumes: nothing to generate
+    assert all(r.shards_done == 0 for name, r in again.items() if name != "dedup")
+    with pytest.raises(ValueError, match="nobody"):
+        DataEngine(replace(mixed, adapters=("nobody",)))
+    with pytest.raises(ValueError, match="adapters_root"):
+        replace(mixed, adapters_root=None)
+
+
+def test_a_shard_with_no_rows_is_skipped_when_read(chatty_target: Path, tmp_path: Path) -> None:
+    """A follow-ups shard whose every second user turn was dropped has 0 rows: the data still
+    loads (``datasets`` cannot read a 0-row directory back)."""
+    out = tmp_path / "run"
+    DataEngine(_config(chatty_target, out)).run()
+    rows = len(load_distilled(out / "followups"))
+    columns = {name: [] for name in load_distilled(out / "followups").column_names}
+    from selfspec.train.datagen.engine import _response_extra
+
+    write_shard(
+        out / "followups" / "shard-00099",
+        columns,
+        {"key": "k", "rows": 0, "generated_tokens": 0, "seconds": 0.0},
+        extra=_response_extra(),
+    )
+    assert len(load_distilled(out / "followups")) == rows

@@ -64,6 +64,10 @@ def card(record: dict[str, Any], planned: int) -> str:
             f"| {name} | {s['shards']} | {s['rows']} | {s['generated_tokens']} | {s['seconds']} "
             f"| {rate:.0f} |"
         )
+    answered = record.get("answered_by")
+    if answered:
+        lines += ["", "| responses answered by | rows |", "|---|---:|"]
+        lines += [f"| {name} | {rows} |" for name, rows in answered.items()]
     dedup = record.get("dedup")
     if dedup:
         lines += ["", "| category | usable user turns | kept after dedup |", "|---|---:|---:|"]

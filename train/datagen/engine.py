@@ -21,11 +21,14 @@ per stage, rows, tokens and the seconds its shards took; ``OUT/README.md`` is th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +50,9 @@ from selfspec.train.datagen.magpie import user_message, user_turn_prompt
 from selfspec.train.datagen.passages import installed_passages
 from selfspec.train.datagen.plan import Conversation, PlanConfig, plan
 from selfspec.train.shards import (
+    SHARD_META,
     DistilledDataError,
+    empty_shard,
     finished_key,
     shard_dir,
     shard_key,
@@ -90,6 +95,15 @@ class EngineConfig:
     """Conversations per round: every stage runs over a round before the next round starts."""
     max_shards: int | None = None
     """Stop after generating this many shards in this call (chunks of a long run)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters (names under ``adapters_root``) that answer a share of the conversations
+    instead of the base: tokens and features of those responses are the adapted target's
+    (``answerer``). Heads trained on them learn to continue text the base would not write,
+    which is where shared heads lose under an adapter (issue #20). Empty: the base answers all,
+    and the run's keys are those of a run without this setting."""
+    adapters_root: str | None = None
+    adapter_share: float = 0.5
+    """The share of conversations an adapter answers (drawn per conversation, seeded)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "shard_size", "max_user_tokens", "max_new_tokens", "round_size"):
@@ -102,6 +116,10 @@ class EngineConfig:
                 f"datagen round_size ({self.round_size}) must be a multiple of shard_size "
                 f"({self.shard_size}), so that no shard spans two rounds"
             )
+        if not 0.0 <= self.adapter_share <= 1.0:
+            raise ValueError(f"datagen adapter_share must be in [0, 1], got {self.adapter_share}")
+        if self.adapters and self.adapters_root is None:
+            raise ValueError("datagen adapters need adapters_root (the directory holding them)")
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stages {unknown}; the stages are {list(STAGES)}")
@@ -171,6 +189,16 @@ class DataEngine:
             "seed": config.plan.seed,
             "top_p": config.plan.top_p,
         }
+        self.store = None
+        if config.adapters:
+            from selfspec.adapters.store import AdapterStore
+
+            self.store = AdapterStore(model, root=config.adapters_root)
+            # What the answers depend on: which adapters (by their weights) and how often.
+            self.settings["answerers"] = {
+                "adapters": {name: _weights_digest(self.store, name) for name in config.adapters},
+                "share": config.adapter_share,
+            }
         self._budget = config.max_shards
 
     # -- the run ----------------------------------------------------------------------------
@@ -370,7 +398,7 @@ class DataEngine:
                         self.stop_ids,
                     )
                 )
-            results = self._generate(self.feature_decoder, requests, bar)
+            results = self._answer(requests, bar)
             category = {str(c.index): c.category for c, _ in shard}
             temperature = {str(c.index): c.temperature for c, _ in shard}
             columns: dict[str, list] = {
@@ -384,6 +412,7 @@ class DataEngine:
                     "category",
                     "temperature",
                     "turn",
+                    *(["answerer"] if self.store is not None else []),
                 )
             }
             features = {}
@@ -397,17 +426,43 @@ class DataEngine:
                 columns["category"].append(category[request.key])
                 columns["temperature"].append(temperature[request.key])
                 columns["turn"].append(turn)
+                if self.store is not None:
+                    columns["answerer"].append(self.answerer(int(request.key)) or "")
                 if result.features is not None:
                     features[request.key] = result.features
             tokens = sum(columns["response_len"])
             if features:
                 self.features.write(path.parent.name, path.name, key, features)
-            self._write(path, columns, key, started, tokens, _response_extra(), distilled=True)
+            extra = _response_extra(answerer=self.store is not None)
+            self._write(path, columns, key, started, tokens, extra, distilled=True)
             return len(requests), tokens
 
         return make
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def answerer(self, index: int) -> str | None:
+        """The adapter that answers conversation ``index`` (both its turns), None: the base.
+        Drawn from the plan's seed and the index alone, so a resumed or grown run agrees."""
+        if self.store is None:
+            return None
+        rng = random.Random(f"{self.config.plan.seed}:answerer:{index}")
+        if rng.random() >= self.config.adapter_share:
+            return None
+        return rng.choice(self.config.adapters)
+
+    def _answer(self, requests: list[GenerationRequest], bar) -> dict[str, GenerationResult]:
+        """Responses (with their tapped features), each request under its answerer: one batched
+        generation per answerer, that adapter active."""
+        groups: dict[str | None, list[GenerationRequest]] = {}
+        for request in requests:
+            groups.setdefault(self.answerer(int(request.key)), []).append(request)
+        results: dict[str, GenerationResult] = {}
+        for name, group in groups.items():
+            active = self.store.scope(name)() if self.store is not None else nullcontext()
+            with active:
+                results.update(self._generate(self.feature_decoder, group, bar))
+        return results
 
     def _user_request(
         self, index: int, opener: str, history: list[dict[str, str]], seed: int
@@ -446,6 +501,8 @@ class DataEngine:
             "generated_tokens": tokens,
             "seconds": round(time.perf_counter() - started, 2),
         }
+        if "answerer" in columns:  # rows per answerer, "(base)" for the base
+            meta["answered_by"] = dict(Counter(name or "(base)" for name in columns["answerer"]))
         if distilled:
             write_shard(path, columns, meta, extra=schema)
         else:
@@ -476,6 +533,8 @@ class DataEngine:
         out: dict[int, list[dict[str, str]]] = {}
         users = self._users(conversations)
         for path in sorted((self.out / "responses").glob("shard-*")):
+            if empty_shard(path):
+                continue
             data = _read(path, "responses")
             for ids, prompt_len, finished, index in zip(
                 data["input_ids"],
@@ -500,7 +559,20 @@ class DataEngine:
             "tap_layers": list(self.tap_layers),
             "features_dir": str(self.features.root),
         }
+        if self.store is not None:
+            record["answered_by"] = self._answered_by()
         write_record(self.out, record, len(conversations))
+
+    def _answered_by(self) -> dict[str, int]:
+        """Finished response rows (both turns) per answerer, from the shards' own records."""
+        counts: Counter[str] = Counter()
+        for stage in ("responses", "followups"):
+            for path in sorted((self.out / stage).glob("shard-*")):
+                if finished_key(path) is not None:
+                    counts.update(
+                        json.loads((path / SHARD_META).read_text()).get("answered_by", {})
+                    )
+        return dict(sorted(counts.items()))
 
 
 def _prompt_schema() -> dict[str, Any]:
@@ -514,11 +586,13 @@ def _prompt_schema() -> dict[str, Any]:
     }
 
 
-def _response_extra() -> dict[str, Any]:
-    """Columns of a response row beyond the distilled ones."""
+def _response_extra(answerer: bool = False) -> dict[str, Any]:
+    """Columns of a response row beyond the distilled ones (``answerer``: the adapter that
+    answered, "" for the base, in runs with adapters)."""
     from datasets import Value
 
-    return {"category": Value("string"), "temperature": Value("float32"), "turn": Value("int8")}
+    extra = {"category": Value("string"), "temperature": Value("float32"), "turn": Value("int8")}
+    return {**extra, "answerer": Value("string")} if answerer else extra
 
 
 def _plan_key(shard: list[Conversation]) -> list[Any]:
@@ -542,6 +616,12 @@ def _read(path: Path, stage: str):
         raise DistilledDataError(
             f"{stage} shard {path} is not a readable dataset: {error}"
         ) from error
+
+
+def _weights_digest(store, name: str) -> str:
+    """A known adapter's weights file, hashed (an unknown name: the store's error naming it)."""
+    path = store.info(store.resolve(name)).path / "adapter_model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def _stop_ids(model, tokenizer) -> tuple[int, ...]:
