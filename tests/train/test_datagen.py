@@ -17,7 +17,7 @@ from selfspec.train.datagen.dedup import DedupConfig, near_duplicates
 from selfspec.train.datagen.engine import DataEngine, EngineConfig
 from selfspec.train.datagen.passages import _roff_section
 from selfspec.train.datagen.plan import PlanConfig, plan
-from selfspec.train.shards import DistilledDataError, load_distilled, write_shard
+from selfspec.train.shards import DistilledDataError, finished_key, load_distilled, write_shard
 
 PASSAGES = [f"Passage {i} tells about rivers, hills and the town of Number{i}." for i in range(8)]
 
@@ -303,6 +303,10 @@ def test_adapters_answer_their_share_with_their_own_states(
     )
     both.setup("fit")
     assert len(both.train_set) == 2 * len(rows)
+    # Who answers does not change the user turns: the base run's prompts are reused as they are.
+    for plain_shard in sorted((tmp_path / "plain" / "prompts").glob("shard-*")):
+        mixed_shard = tmp_path / "mixed" / "prompts" / plain_shard.name
+        assert finished_key(mixed_shard) == finished_key(plain_shard)
     again = DataEngine(mixed).run()  # resumes: nothing to generate
     assert all(r.shards_done == 0 for name, r in again.items() if name != "dedup")
     with pytest.raises(ValueError, match="nobody"):

@@ -63,6 +63,8 @@ from selfspec.train.shards import (
 
 logger = logging.getLogger(__name__)
 STAGES = ("prompts", "dedup", "responses", "followups")
+ANSWER_STAGES = ("responses", "followups")
+"""The stages whose output depends on who answers (``EngineConfig.adapters``)."""
 
 
 @dataclass(frozen=True)
@@ -190,12 +192,14 @@ class DataEngine:
             "top_p": config.plan.top_p,
         }
         self.store = None
+        self.answerers: dict[str, Any] | None = None
         if config.adapters:
             from selfspec.adapters.store import AdapterStore
 
             self.store = AdapterStore(model, root=config.adapters_root)
-            # What the answers depend on: which adapters (by their weights) and how often.
-            self.settings["answerers"] = {
+            # What the answers depend on: which adapters (by their weights) and how often. Not
+            # the user turns of stage 1, so a run with adapters can reuse a base run's prompts.
+            self.answerers = {
                 "adapters": {name: _weights_digest(self.store, name) for name in config.adapters},
                 "share": config.adapter_share,
             }
@@ -277,7 +281,10 @@ class DataEngine:
         bar = tqdm(total=len(items), desc=stage, unit="conv")
         started = time.perf_counter()
         for _, shard, path in self._shards(stage, items):
-            key = shard_key({"stage": stage, **self.settings}, key_of(shard))
+            settings = self.settings
+            if self.answerers is not None and stage in ANSWER_STAGES:
+                settings = {**settings, "answerers": self.answerers}
+            key = shard_key({"stage": stage, **settings}, key_of(shard))
             if finished_key(path) == key:
                 report.shards_skipped += 1
                 bar.update(len(shard))
@@ -553,7 +560,9 @@ class DataEngine:
 
     def _write_record(self, conversations: list[Conversation]) -> None:
         record = {
-            "settings": self.settings,
+            "settings": self.settings
+            if self.answerers is None
+            else {**self.settings, "answerers": self.answerers},
             "cpu_flags": cpu_flags(),
             "batch_size": self.config.batch_size,
             "tap_layers": list(self.tap_layers),
