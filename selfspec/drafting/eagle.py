@@ -160,8 +160,7 @@ class EagleDrafter:
         if deeper:
             predicted = self._head_rows(deeper)  # [F_b, H] each
             for item, out in zip(deeper, predicted, strict=True):
-                tree, frontier = item.pending
-                for row, node in enumerate(frontier):
+                for row, node in enumerate(item.pending[1]):
                     item.predicted[node] = out[row]
         hidden = [  # [F_b, H] each
             item.state.root_feature[None]

@@ -291,6 +291,19 @@ def test_adapters_answer_their_share_with_their_own_states(
     for index, name in by.items():  # the base's answers are the plain run's; the adapter's not
         same = torch.equal(ours[str(index)], theirs[str(index)])
         assert same == (name == ""), (index, name)
+    # Second turns: the user's turn is always the base's (whoever answered just before), so a
+    # base-answered conversation is the plain run's.
+    follow = load_distilled(tmp_path / "mixed" / "followups")
+    plain_follow = load_distilled(tmp_path / "plain" / "followups")
+    plain_ids = dict(zip(plain_follow["source_index"], plain_follow["input_ids"], strict=True))
+    based = [
+        (i, ids)
+        for i, ids, name in zip(
+            follow["source_index"], follow["input_ids"], follow["answerer"], strict=True
+        )
+        if name == ""
+    ]
+    assert based and all(ids == plain_ids[i] for i, ids in based)
     card = (tmp_path / "mixed" / "README.md").read_text()
     assert "| loud |" in card and "| (base) |" in card
     # Both runs train together (their columns differ by the answerer).

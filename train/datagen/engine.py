@@ -312,7 +312,8 @@ class DataEngine:
                 self._user_request(c.index, c.opener, [], self._seed(c.index, "user"))
                 for c in shard
             ]
-            results = self._generate(self.decoder, [r for r in requests if r is not None], bar)
+            with self._as_base():
+                results = self._generate(self.decoder, [r for r in requests if r is not None], bar)
             columns: dict[str, list] = {"index": [], "category": [], "user": [], "kept": []}
             tokens = 0
             for c, request in zip(shard, requests, strict=True):
@@ -367,7 +368,8 @@ class DataEngine:
                 self._user_request(c.index, c.follow_up, messages, self._seed(c.index, "user2"))
                 for c, messages in shard
             ]
-            results = self._generate(self.decoder, [r for r in requests if r is not None], None)
+            with self._as_base():  # the user's turn is the base's, whoever answered before
+                results = self._generate(self.decoder, [r for r in requests if r is not None], None)
             follow = []
             for (c, messages), request in zip(shard, requests, strict=True):
                 result = results.get(str(c.index)) if request is not None else None
@@ -457,6 +459,10 @@ class DataEngine:
         if rng.random() >= self.config.adapter_share:
             return None
         return rng.choice(self.config.adapters)
+
+    def _as_base(self):
+        """The base model active (an adapter's scope leaves its adapter active after it)."""
+        return self.store.scope(None)() if self.store is not None else nullcontext()
 
     def _answer(self, requests: list[GenerationRequest], bar) -> dict[str, GenerationResult]:
         """Responses (with their tapped features), each request under its answerer: one batched
