@@ -38,6 +38,7 @@ class DistilledDataModule(L.LightningDataModule):
         seed: int = 0,
         group_by_length: bool = True,
         skip_batches: int = 0,
+        first_epoch: int = 0,
     ) -> None:
         """
         Args:
@@ -60,6 +61,9 @@ class DistilledDataModule(L.LightningDataModule):
                 epoch: a run continuing (``--model.init_from``) the exported heads of a run cut
                 short trains on what that run did not reach (its ``batches_seen`` in
                 metrics.json, with the same seed and batch size).
+            first_epoch: with ``group_by_length``, the epoch of the seeded order this run
+                starts in (``skip_batches`` counts in it): a line of runs past its first epoch
+                continues with the exported ``data_epoch`` and ``batches_done``.
         """
         super().__init__()
         if batch_size < 1 or max_length < 3 or not 0 <= val_fraction < 1:
@@ -76,6 +80,9 @@ class DistilledDataModule(L.LightningDataModule):
         if skip_batches and not group_by_length:
             raise ValueError("skip_batches needs group_by_length (a seeded batch order)")
         self.skip_batches = skip_batches
+        if first_epoch < 0:
+            raise ValueError(f"first_epoch must be >= 0, got {first_epoch}")
+        self.first_epoch = first_epoch
         self.train_set: Any = None
         self.val_set: Any = None
 
@@ -118,7 +125,11 @@ class DistilledDataModule(L.LightningDataModule):
             return DataLoader(
                 self.train_set,
                 batch_sampler=LengthGroupedBatches(
-                    lengths, self.batch_size, self.seed, skip=self.skip_batches
+                    lengths,
+                    self.batch_size,
+                    self.seed,
+                    skip=self.skip_batches,
+                    first_epoch=self.first_epoch,
                 ),
                 collate_fn=self.collate,
                 num_workers=self.num_workers,

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from selfspec.heads import HeadKind
+from selfspec.train.length_batches import LengthGroupedBatches
 from selfspec.train.module import HeadsModule
 from selfspec.train.prompts import OnBadLine, read_prompts
 from selfspec.train.shards import write_json
@@ -121,9 +122,10 @@ class ExportHeads(L.Callback):
             "target": module.target_spec.model or "SmolLM2-135M-Instruct",
             "global_step": trainer.global_step,
             "epochs": trainer.current_epoch,
-            # Where the data order stands: a run continuing these heads (init_from) in epoch 0
-            # skips this many batches (``--data.skip_batches``, same seed and batch size).
-            "batches_done": _batches_done(trainer),
+            # Where the data order stands: a run continuing these heads (init_from) starts in
+            # epoch ``data_epoch`` of the seeded order and skips ``batches_done`` batches of it
+            # (``--data.first_epoch``, ``--data.skip_batches``; same seed and batch size).
+            **_data_position(trainer),
             "training_seconds_this_run": round(time.perf_counter() - self._started, 1),
             "tokens_seen_this_run_rank0": int(self._tokens),
             "response_tokens_seen_this_run_rank0": self._response_tokens,
@@ -166,11 +168,24 @@ class ExportHeads(L.Callback):
         return record
 
 
-def _batches_done(trainer: L.Trainer) -> int:
-    """Batches of the data order trained on: those a continued run skipped, and this run's."""
+def _data_position(trainer: L.Trainer) -> dict[str, int]:
+    """Where this run left the seeded batch order (``LengthGroupedBatches``): the epoch it was
+    in, the batches of that epoch done (a skip at the start of this run included) and the
+    batches an epoch has. Without a seeded order: the batches this run read (and skipped)."""
     datamodule = getattr(trainer, "datamodule", None)
     skipped = int(getattr(datamodule, "skip_batches", 0) or 0)
-    return skipped + trainer.global_step * trainer.accumulate_grad_batches
+    first = int(getattr(datamodule, "first_epoch", 0) or 0)
+    read = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+    sampler = getattr(trainer.train_dataloader, "batch_sampler", None)
+    if not isinstance(sampler, LengthGroupedBatches):
+        return {"data_epoch": first, "batches_done": skipped + read}
+    full = sampler.epoch_batches
+    position = skipped + read
+    return {
+        "data_epoch": first + position // full,
+        "batches_done": position % full,
+        "epoch_batches": full,
+    }
 
 
 def response_tokens_total(heads_dir: Path) -> int:

@@ -72,3 +72,30 @@ def test_the_datamodule_skips_batches_only_in_a_seeded_order(distilled) -> None:
     assert len(module.train_dataloader().batch_sampler) == -(-len(module.train_set) // 2) - 1
     with pytest.raises(ValueError, match="needs group_by_length"):
         DistilledDataModule(distilled, skip_batches=1, group_by_length=False)
+
+
+def test_lightning_sets_the_epoch_and_a_line_continues_past_its_first_epoch() -> None:
+    """Lightning calls ``set_epoch`` only on a loader's sampler and its batch sampler's
+    ``sampler``; each epoch then has its own order, and ``skip`` applies to the run's first."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from torch.utils.data import DataLoader
+
+    lengths = list(range(100))
+    sampler = LengthGroupedBatches(lengths, 4, seed=0, skip=20)
+    loader = DataLoader(list(range(100)), batch_sampler=sampler)
+    _set_sampler_epoch(loader, 0)
+    first = list(sampler)
+    _set_sampler_epoch(loader, 1)
+    second = list(sampler)
+    assert len(first) == 5 and len(second) == len(sampler) == 25  # the skip is the first's only
+    assert second == list(LengthGroupedBatches(lengths, 4, seed=0, first_epoch=1))
+    assert second[-5:] != first
+    # A later run continuing in epoch 1 where this one stops reads the rest of that order.
+    later = LengthGroupedBatches(lengths, 4, seed=0, skip=7, first_epoch=1)
+    loader = DataLoader(list(range(100)), batch_sampler=later)
+    _set_sampler_epoch(loader, 0)
+    assert list(later) == second[7:]
+    _set_sampler_epoch(loader, 1)
+    assert list(later) == list(LengthGroupedBatches(lengths, 4, seed=0, first_epoch=2))
+    with pytest.raises(ValueError, match="first_epoch"):
+        LengthGroupedBatches(lengths, 4, first_epoch=-1)
