@@ -32,6 +32,7 @@ from tqdm import tqdm
 from selfspec.adapters.store import AdapterStore
 from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model
+from selfspec.drafting.taps import maybe_capture
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.heads.eagle import EagleCache
@@ -42,12 +43,15 @@ HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_held
 
 
 @torch.inference_mode()
-def teacher_forced(generator: SpeculativeGenerator, ids: list[int]) -> torch.Tensor:
-    """The target's last hidden states over ``ids`` in one causal forward # [L, H]."""
+def teacher_forced(generator: SpeculativeGenerator, ids: list[int]):
+    """The target over ``ids`` in one causal forward: what the heads read (the last hidden
+    state, or EAGLE-3's tapped layers) # [L, F], and the last hidden state # [L, H]."""
     target = generator.target
     tokens = torch.tensor([ids], device=target.device)
     positions = torch.arange(len(ids), device=target.device)[None]
-    return target.features(tokens, positions, target.new_cache())[0]
+    with maybe_capture(generator.taps) as tapped:
+        last = target.features(tokens, positions, target.new_cache())[0]
+    return (last if tapped is None else tapped.stacked()[0]), last
 
 
 @torch.inference_mode()
@@ -57,7 +61,11 @@ def head_predictions(generator: SpeculativeGenerator, ids: list[int], features) 
     tokens = torch.tensor(ids[1:], device=features.device)  # token_{t+1}
     positions = torch.arange(1, len(ids), device=features.device)[None]
     out = drafter.head(
-        generator.target.embed(tokens)[None], features[None, :-1], positions, None, EagleCache()
+        generator.target.embed(tokens)[None],
+        drafter.head_features(features)[None, :-1],
+        positions,
+        None,
+        EagleCache(),
     )[0]  # [L-1, H]: the predicted feature at t+1
     logits = drafter.projection.logits(out[:-1])  # [L-2, N]
     return drafter.projection.token_ids(logits.argmax(-1))
@@ -73,7 +81,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters-root", type=Path, required=True)
     parser.add_argument("--adapters", nargs="+", required=True)
-    parser.add_argument("--heads", default="eagle", help="EAGLE heads: 'eagle' or a dir")
+    parser.add_argument("--heads", default="eagle", help="'eagle' or an EAGLE / EAGLE-3 dir")
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -85,8 +93,8 @@ def main() -> int:
     heads = load_heads(resolve_heads_dir(args.heads, True), target.model)
     store = AdapterStore(target.model, root=args.adapters_root)
     generator = SpeculativeGenerator(target.model, heads, target.tokenizer)
-    if getattr(generator.drafter, "target_layers", None):
-        parser.error("EAGLE (one-feature) heads only: EAGLE-3 heads read several layers")
+    if not hasattr(generator.drafter, "head_features"):
+        parser.error("EAGLE or EAGLE-3 heads only (Medusa heads draft every depth at once)")
     draft_vocab = generator.drafter.projection.draft_vocab  # [N] or None: the whole vocabulary
     vocab = set(
         range(target.model.config.vocab_size) if draft_vocab is None else draft_vocab.tolist()
@@ -104,12 +112,12 @@ def main() -> int:
                 response = generator.generate(prompt, config).token_ids
             ids = prompt + response
             with store.scope(name)():
-                adapted = teacher_forced(generator, ids)  # [L, H]
+                adapted, _ = teacher_forced(generator, ids)  # [L, F]
                 on_adapted = head_predictions(generator, ids, adapted)
             with store.scope(None)():
-                base = teacher_forced(generator, ids)
+                base, last = teacher_forced(generator, ids)
                 on_base = head_predictions(generator, ids, base)
-                base_choice = generator.target.logits(base).argmax(-1)  # [L]: its next token
+                base_choice = generator.target.logits(last).argmax(-1)  # [L]: its next token
             # Token i (i >= len(prompt) + 1) as drafted at depth 1: predicted at t = i - 2.
             first = len(prompt) + 1
             labels = torch.tensor(ids[first:])

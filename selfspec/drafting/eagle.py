@@ -42,7 +42,7 @@ class EagleDrafter:
         state = EagleState(root_feature=prompt_features[-1])
         first = torch.tensor([first_token], device=prompt_tokens.device)
         self._append(
-            state, self._head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
+            state, self.head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
         )
         return state
 
@@ -62,7 +62,7 @@ class EagleDrafter:
         pairs = [  # (state, head features # [A, H], next tokens # [A])
             (
                 request.state,
-                self._head_features(request.accepted_features),
+                self.head_features(request.accepted_features),
                 torch.cat(
                     [
                         request.accepted_tokens[1:],
@@ -77,7 +77,7 @@ class EagleDrafter:
         for state, features, next_tokens in pairs:
             self._append(state, features, next_tokens)
 
-    def _head_features(self, features: torch.Tensor) -> torch.Tensor:
+    def head_features(self, features: torch.Tensor) -> torch.Tensor:
         """The decoding loop's features as the head reads them. # [A, F] -> [A, H]"""
         return features
 

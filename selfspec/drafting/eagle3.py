@@ -75,11 +75,11 @@ class Eagle3Drafter(EagleDrafter):
         state = EagleState(root_feature=prompt_features.new_zeros(self.head.config.hidden_size))
         first = torch.tensor([first_token], device=prompt_tokens.device)
         self._append(
-            state, self._head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
+            state, self.head_features(prompt_features), torch.cat([prompt_tokens[1:], first])
         )
         return state
 
-    def _head_features(self, features: torch.Tensor) -> torch.Tensor:
+    def head_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's states at ``target_layers`` fused by the head's ``fc``: committed pairs
         are (g_j, token_{j+1}). # [A, k*H] -> [A, H]"""
         width = len(self.target_layers) * self.head.config.hidden_size
