@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from batched_streams import run_batched
+from draft_spy import drafted_tokens
 from test_batched_verify import PROMPTS, _configs
 from test_generation import FLAT, PROMPT, TREES, _greedy, _model, _vanilla
 from tiny_models import ARCHS, VOCAB_SIZE, make_tiny_model
@@ -141,16 +142,7 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
     allowed = set(heads.draft_vocab.tolist())
     assert torch.equal(heads.t2d.nonzero().flatten(), heads.draft_vocab)
     generator = SpeculativeGenerator(model, heads)
-    drafted: list[int] = []
-    draft_many = generator.drafter.draft_many
-
-    def spy(requests):
-        trees = draft_many(requests)
-        for tree in trees:
-            drafted.extend(tree.tokens[1:].tolist())
-        return trees
-
-    monkeypatch.setattr(generator.drafter, "draft_many", spy)
+    drafted = drafted_tokens(monkeypatch, generator.drafter)
     for tree in TREES.values():
         assert generator.generate(PROMPT, _greedy(tree)).token_ids == list(_vanilla(arch))
     assert drafted and set(drafted) <= allowed

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from draft_spy import drafted_tokens
 from oracle_drafter import OracleDrafter
 from tiny_models import ARCHS, VOCAB_SIZE, make_tiny_model
 from transformers import DynamicCache, PreTrainedModel
@@ -399,16 +400,7 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
     heads = _with_draft_vocab(_heads(arch, kind, perturbed=True), arch, size=40)
     allowed = set(heads.draft_vocab.tolist())
     generator = SpeculativeGenerator(_model(arch), heads)
-    drafted: list[int] = []
-    draft_many = generator.drafter.draft_many
-
-    def spy(requests):
-        trees = draft_many(requests)
-        for tree in trees:
-            drafted.extend(tree.tokens[1:].tolist())
-        return trees
-
-    monkeypatch.setattr(generator.drafter, "draft_many", spy)
+    drafted = drafted_tokens(monkeypatch, generator.drafter)
     for tree in TREES.values():
         result = generator.generate(PROMPT, _greedy(tree))
         assert result.token_ids == list(_vanilla(arch))

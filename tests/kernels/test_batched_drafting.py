@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 from test_exact_speculation import kernel_model
+from test_fused_head import random_head
 
 from selfspec.drafting.base import AdvanceRequest
 from selfspec.drafting.fused_head import FusedEagleHead
 from selfspec.generation import GenerationConfig, GenerationStream, SpeculativeGenerator
-from selfspec.heads import build_heads, heads_config_for
 from selfspec.tree import DynamicTree
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 2]]
@@ -23,16 +23,7 @@ PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 8, 2]]
 
 def _generator(kind: str = "eagle") -> SpeculativeGenerator:
     model = kernel_model("llama", "float32")
-    config = heads_config_for(model, kind)
-    if kind == "eagle":
-        config = replace(config, num_layers=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        heads = build_heads(config).eval()
-        with torch.no_grad():  # random, not the identity the untrained head starts as
-            for parameter in heads.parameters():
-                parameter.normal_(0.0, 0.3 if parameter.dim() > 1 else 1.0)
-    return SpeculativeGenerator(model, heads)
+    return SpeculativeGenerator(model, random_head(model, kind, layers=2))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -19,17 +19,23 @@ from selfspec.kernels.modules import install_kernels
 pytestmark = pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
 
 
-def _head(layers: int = 1, kernels: bool = True, kind: str = "eagle"):
-    model = make_tiny_model("llama")
+def random_head(model, kind: str = "eagle", layers: int = 1):
+    """Heads of ``kind`` for ``model`` with random weights (seeded), not the identity an
+    untrained head starts as."""
     config = heads_config_for(model, kind)
     if kind == "eagle":
         config = replace(config, num_layers=layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         head = build_heads(config).eval()
-        with torch.no_grad():  # random, not the identity the untrained head starts as
+        with torch.no_grad():
             for parameter in head.parameters():
                 parameter.normal_(0.0, 0.3 if parameter.dim() > 1 else 1.0)
+    return head
+
+
+def _head(layers: int = 1, kernels: bool = True, kind: str = "eagle"):
+    head = random_head(make_tiny_model("llama"), kind, layers)
     if kernels:
         install_kernels(head, "int8")
     return head
