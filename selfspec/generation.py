@@ -145,6 +145,11 @@ class RequestState:
     committed_len: int
     root_token: int
     draft_state: Any = None
+    """The drafter's state; None until the request first drafts (see ``deferred_start``)."""
+    deferred_start: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The prompt's (features # [S, F], tokens # [S]) while the draft state is not built yet:
+    ``_catch_up`` starts the drafter on them (and on the steps committed since) when the request
+    first drafts."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     streamed_chars: int = 0
@@ -372,8 +377,8 @@ class SpeculativeGenerator:
         return self._finish_prefill(progress, config) if end == length else None
 
     def _finish_prefill(self, progress: PrefillProgress, config: GenerationConfig) -> RequestState:
-        """The whole prompt is in the cache: choose the first token, store the prefix, start the
-        drafter."""
+        """The whole prompt is in the cache: choose the first token, store the prefix, keep what
+        the drafter starts from when the request first drafts."""
         prompt, cache, reuse = progress.prompt, progress.cache, progress.reuse
         features = torch.cat(progress.features)  # [S - reused, H]
         with record_function("selfspec.prefill"):
@@ -404,8 +409,9 @@ class SpeculativeGenerator:
                     scored = token_logprobs(rows, prompt[1:], config.logprobs)
                 state.prompt_logprobs = [None, *scored]
         if config.speculate:
-            with record_function("selfspec.draft_prefill"):
-                state.draft_state = self.drafter.start(draft_features, prompt, first)
+            # The draft state is built when the request first drafts (``_catch_up``): a request
+            # whose rounds never draft (the server's gate under load) never pays for it.
+            state.deferred_start = (draft_features, prompt)
             if config.record_features and progress.taps is None:
                 state.recorded_features = [_recorded(draft_features)]
         return state
@@ -528,10 +534,21 @@ class SpeculativeGenerator:
         return replace(drafted, tree=tree, buffers=buffers)
 
     def _catch_up(self, states: Sequence[RequestState]) -> None:
-        """Advance each state's draft state over the steps it committed without advancing it
-        (plain rounds of the server's gate, or advances deferred by a batched conclude), all of
-        them in one drafter call: the pairs each appends are those the steps' own advances would
-        have appended, in order (each step's root is the bonus token of the one before)."""
+        """Bring each state's draft state up to its committed tokens: a state not built yet is
+        started on its prompt and the steps since; the others advance over the steps committed
+        without advancing them (plain rounds of the server's gate, or advances deferred by a
+        batched conclude), all in one drafter call. The pairs appended are those an eager start
+        and each step's own advance would have appended, in order (each step's root is the
+        bonus token of the one before)."""
+        for state in states:
+            if state.deferred_start is not None:  # the prompt, then the steps since, at once
+                features, tokens = state.deferred_start
+                paths = state.deferred_advance
+                features = torch.cat([features, *(f for f, _ in paths)])  # [S + sum A, F]
+                tokens = torch.cat([tokens, *(t for _, t in paths)])  # [S + sum A]
+                state.deferred_start, state.deferred_advance = None, []
+                with record_function("selfspec.draft_prefill"):
+                    state.draft_state = self.drafter.start(features, tokens, state.root_token)
         behind = [state for state in states if state.deferred_advance]
         if not behind:
             return

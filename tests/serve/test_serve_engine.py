@@ -125,7 +125,13 @@ def test_requests_of_one_adapter_draft_together_and_a_failed_draft_retries_alone
         raise RuntimeError("injected failure in batched drafting")
 
     with server_for(max_running=8, max_queue=8) as (url, _, _):
-        bodies = [{**b, "max_tokens": 16, "ignore_eos": True} for b in REQUESTS]
+        # Six requests on one adapter (one of them seeded sampling), long enough to overlap.
+        prompts = ("abc", "hello world", "xyz", "The fox", "a b c d")
+        bodies = [
+            {"model": "attn", "prompt": p, "temperature": 0, "max_tokens": 32, "ignore_eos": True}
+            for p in prompts
+        ]
+        bodies.append({**bodies[0], "temperature": 0.8, "seed": 3})
         serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
         for patched in (counted, fails):
             groups.clear()
