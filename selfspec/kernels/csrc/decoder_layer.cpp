@@ -107,8 +107,9 @@ std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const tor
                 "the attention input must be float32 [", B, ", ", S, ", ", p.q.K, "], got ",
                 given.sizes());
   }
-  const torch::Tensor normed =
-      wants_given ? given.contiguous() : rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
+  const torch::Tensor normed = wants_given
+                                   ? given.contiguous()
+                                   : rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
   torch::Tensor query = linear_plus(normed, p.q, d, 0, isa).view({B, S, p.heads, p.head_dim});
   torch::Tensor key = linear_plus(normed, p.k, d, 1, isa).view({B, S, p.kv_heads, p.head_dim});
   torch::Tensor value = linear_plus(normed, p.v, d, 2, isa).view({B, S, p.kv_heads, p.head_dim});
@@ -235,7 +236,8 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
     }
     const torch::Tensor given =
         l == 0 && attention_input.has_value() ? *attention_input : torch::Tensor();
-    std::vector<torch::Tensor> qkv = attention_inputs(p, hidden, cos, signed_sin, isa, deltas, given);
+    std::vector<torch::Tensor> qkv =
+        attention_inputs(p, hidden, cos, signed_sin, isa, deltas, given);
     std::vector<torch::Tensor> attended(B);
     for (int64_t b = 0; b < B; ++b) {
       const torch::Tensor &keys = key_buffers[l * B + b], &values = value_buffers[l * B + b];
