@@ -38,6 +38,7 @@ CONFIGS = {  # name: (dtype, kernels, instruction-set path or None, GGUF blocks 
     "kernels bf16": ("bfloat16", None, None, False),
     "kernels int8": ("int8", None, None, False),
     "kernels int4": ("int4", None, None, False),
+    "kernels w4a8 (int8 activations)": ("w4a8", None, None, False),
     "kernels fp32 dense, forced avx2": ("float32", None, "avx2", False),
     "kernels int4, forced avx2": ("int4", None, "avx2", False),
 }

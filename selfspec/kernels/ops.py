@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from selfspec.kernels import extension
-from selfspec.kernels.weights import KernelWeight
+from selfspec.kernels.weights import ACTIVATION_BLOCK, KernelWeight
 
 FALLBACK_ROW_LIMIT = 64
 MASKED = -1.0e30  # additive mask values at or below this are masked out
@@ -78,6 +78,44 @@ def linear_fallback(
     if rows > FALLBACK_ROW_LIMIT:
         return F.linear(x, dense, bias)
     return torch.cat([F.linear(x[i : i + 1].clone(), dense, bias) for i in range(rows)])
+
+
+def linear_a8_fallback(
+    x: torch.Tensor,  # [M, K] float32
+    weight: KernelWeight,  # an int8_a8 or q4_1_a8 weight
+    codes: torch.Tensor,  # [N, K / 32, 32] float32: the weight's codes (``a8_weight_codes``)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """The int8-activation formats in pure torch, row by row (row-invariant): each row's blocks
+    of 32 quantized (d = max|x| / 127, codes round(x / d)), exact integer block sums, then
+    y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes what the C++
+    kernel computes, in another order. # [M, N] float32"""
+    n, blocks = codes.shape[0], codes.shape[1]
+    if weight.stored == "q4_1":
+        scale, minimum = weight.scale, weight.minimum
+    else:
+        per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
+        scale = weight.scale.repeat_interleave(per_block, 1) if per_block else weight.scale
+        scale, minimum = scale.expand(n, blocks), None
+    out = []
+    for row in x.float().view(-1, blocks, ACTIVATION_BLOCK):  # [blocks, 32]
+        d = row.abs().amax(dim=-1) / 127.0  # [blocks]
+        inverse = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+        row_codes = torch.round(row * inverse[:, None]).clamp(-127, 127)
+        sums = torch.einsum("bk,nbk->nb", row_codes, codes)  # exact integers
+        y = (sums * (scale * d)).sum(dim=-1)
+        if minimum is not None:
+            y = y + (minimum * (d * row_codes.sum(dim=-1))).sum(dim=-1)
+        out.append(y if bias is None else y + bias)
+    return torch.stack(out) if out else x.new_zeros(0, n)
+
+
+def a8_weight_codes(weight: KernelWeight) -> torch.Tensor:
+    """The integer codes of an int8 or Q4_1 weight, as floats. # [N, K / 32, 32] float32"""
+    n, k = weight.out_features, weight.in_features
+    if weight.stored == "int8":
+        return weight.data.float().view(n, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    return torch.cat(((weight.data & 0x0F).float(), (weight.data >> 4).float()), dim=-1)
 
 
 def rms_norm(

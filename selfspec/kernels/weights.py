@@ -9,6 +9,11 @@ Formats (``KernelWeight.format``):
   per block (stored as fp16 in a GGUF file, exactly representable in fp32); weight = (q * d) + m,
   two roundings, exactly as GGUF's reference dequantization computes it.
 
+``int8_a8`` and ``q4_1_a8`` store the same weights as ``int8`` and ``q4_1``, and compute with
+the activations quantized to int8 per block of 32 at run time (W8A8 / W4A8: integer dot
+products, llama.cpp's arithmetic; ``activations_int8`` makes one from the other). Lossy against
+float activations, and a mode of its own: within it every row is still computed row-invariantly.
+
 ``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
 ``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
 computes with the original quantized weights, not a re-quantization of their fp32 copy.
@@ -16,13 +21,16 @@ computes with the original quantized weights, not a re-quantization of their fp3
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("float32", "bfloat16", "int8", "q4_1")
-FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3}
+FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q4_1_a8", "int8_a8")
+FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3, "q4_1_a8": 4, "int8_a8": 5}
+STORED_AS = {"q4_1_a8": "q4_1", "int8_a8": "int8"}  # int8 activations: the weight stored as
 Q4_BLOCK = 32
+ACTIVATION_BLOCK = 32  # int8 activations: one scale per this many activations of a row
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,31 +54,48 @@ class KernelWeight:
         if self.format not in FORMATS:
             raise ValueError(f"KernelWeight.format must be one of {FORMATS}, got {self.format!r}")
         n, k = self.out_features, self.in_features
+        stored = self.stored
         expected = {
             "float32": (torch.float32, (n, k)),
             "bfloat16": (torch.bfloat16, (n, k)),
             "int8": (torch.int8, (n, k)),
             "q4_1": (torch.uint8, (n, k // Q4_BLOCK, 16)),
-        }[self.format]
+        }[stored]
         if self.data.dtype != expected[0] or tuple(self.data.shape) != expected[1]:
             raise ValueError(
                 f"{self.format} weight data must be {expected[0]} {list(expected[1])}, got "
                 f"{self.data.dtype} {list(self.data.shape)}"
             )
-        if self.format == "q4_1" and k % Q4_BLOCK:
+        if stored == "q4_1" and k % Q4_BLOCK:
             raise ValueError(f"q4_1 needs in_features divisible by 32, got {k}")
-        if self.format == "int8":
+        if stored != self.format:
+            if k % ACTIVATION_BLOCK:
+                raise ValueError(
+                    f"{self.format}: int8 activations need in_features divisible by "
+                    f"{ACTIVATION_BLOCK}, got {k}"
+                )
+            if stored == "int8" and self.group < k and self.group % ACTIVATION_BLOCK:
+                raise ValueError(
+                    f"int8_a8 needs weight groups of a multiple of {ACTIVATION_BLOCK} (or the "
+                    f"whole row), got {self.group}"
+                )
+        if stored == "int8":
             if not (self.group >= k or (self.group >= 16 and self.group & (self.group - 1) == 0)):
                 raise ValueError(
                     f"int8 group must be in_features or a power of two >= 16, got {self.group}"
                 )
             groups = 1 if self.group >= k else -(-k // self.group)
             _check_table(self.scale, (n, groups), "int8 scale")
-        if self.format == "q4_1":
+        if stored == "q4_1":
             if self.group != Q4_BLOCK:
                 raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
             _check_table(self.scale, (n, k // Q4_BLOCK), "q4_1 scale")
             _check_table(self.minimum, (n, k // Q4_BLOCK), "q4_1 min")
+
+    @property
+    def stored(self) -> str:
+        """How the weight is stored: the format without its activation quantization."""
+        return STORED_AS.get(self.format, self.format)
 
     @property
     def code(self) -> int:
@@ -89,7 +114,7 @@ class KernelWeight:
         """The weight as the kernels see it, dense. # [N, K] float32 (bfloat16 stays bfloat16)"""
         if self.format in ("float32", "bfloat16"):
             return self.data
-        if self.format == "int8":
+        if self.stored == "int8":
             scale = self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
             return self.data.float() * scale
         low = (self.data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
@@ -97,6 +122,17 @@ class KernelWeight:
         codes = torch.cat((low, high), dim=-1)  # [N, blocks, 32]
         dense = (codes * self.scale[..., None]) + self.minimum[..., None]
         return dense.reshape(self.out_features, self.in_features)
+
+
+def activations_int8(weight: KernelWeight) -> KernelWeight:
+    """The same stored weight computing with int8 activations (``int8`` -> ``int8_a8``,
+    ``q4_1`` -> ``q4_1_a8``); a weight already so is returned as it is."""
+    if weight.format in STORED_AS:
+        return weight
+    format = {"int8": "int8_a8", "q4_1": "q4_1_a8"}.get(weight.format)
+    if format is None:
+        raise ValueError(f"int8 activations need int8 or q4_1 weights, got {weight.format}")
+    return dataclasses.replace(weight, format=format)
 
 
 def _check_table(table: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:

@@ -1,6 +1,6 @@
 """Row invariance through the whole model: with the kernels installed, a tree forward computes
 every token exactly as plain decoding of its path does, and speculative greedy output equals
-vanilla greedy output token for token, in every mode (float32, bfloat16, int8, int4), on the
+vanilla greedy output token for token, in every mode (float32, bfloat16, int8, int4, w4a8), on the
 C++ kernels and on the pure-torch fallback."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from selfspec.kernels.modules import KernelLinear, install_kernels, uses_kernels
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, StaticTree
 
-MODES = ("float32", "bfloat16", "int8", "int4")
+MODES = ("float32", "bfloat16", "int8", "int4", "w4a8")
 PROMPT = [1, 23, 5, 61, 8, 30, 44, 12]
 # A tree of 9 nodes: parents first. Paths 0-1-3-6, 0-1-4, 0-2-5-7-8.
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, 7]

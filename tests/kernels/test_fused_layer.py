@@ -68,7 +68,7 @@ def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tenso
         body.fused_layers, body.fused_body = saved, saved_body
 
 
-@pytest.mark.parametrize("mode", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["float32", "int8", "int4", "w4a8"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("isa", cpp_paths())
 def test_fused_layers_give_the_module_path_bits(

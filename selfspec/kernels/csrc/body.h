@@ -16,7 +16,7 @@ SS_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // Bytes of one stored weight row, for prefetching the next tile while this one computes.
 SS_INLINE int64_t row_bytes(const LinearParams& p) {
-  switch (p.format) {
+  switch (stored_format(p.format)) {
     case kFloat32: return p.K * 4;
     case kBFloat16: return p.K * 2;
     case kInt8: return p.K;
@@ -34,7 +34,7 @@ struct RowRef {
 SS_INLINE RowRef row_ref(const LinearParams& p, int64_t n) {
   if (p.rows) n = p.rows[n];  // output column n reads a chosen weight row (a draft vocabulary)
   const char* base = static_cast<const char*>(p.w);
-  switch (p.format) {
+  switch (stored_format(p.format)) {
     case kInt8: {
       const int64_t groups = p.group_shift < 0 ? 1 : (p.K >> p.group_shift) + ((p.K & ((int64_t{1} << p.group_shift) - 1)) != 0);
       return {base + n * p.K, p.scale + n * groups, nullptr};
@@ -228,8 +228,159 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The *_A8 formats: activations quantized to int8 per block of 32, integer dot products per
+// block (llama.cpp's arithmetic for Q4_1 x Q8_1 and Q8_0 x Q8_0, in our own fixed order).
+//
+// Row m's block b: d = max|x| / 127, codes c = round(x * (1 / d)) (ties to even; d = 0: all 0).
+// Then, with weight codes q and block scale s (and Q4_1's minimum mn):
+//   y[m, n] = vhsum(A + B)
+//   A: lane l of the 16, over block pairs in ascending order: A = fma(float(I_l), s_pair * d_pair, A)
+//      where I_l is the exact integer sum of q * c over lane l's 4 bytes (pair order, vec_*.h)
+//   B (Q4_1 only): lane b % 16, blocks ascending: B = fma(mn_b, d_b * sum(c over block b), B)
+// Integers are exact and every float step is fixed by the row's own values, so a row's result
+// never depends on the other rows of the call (row invariance), and both ISA paths give the same
+// bits.
+
+// Rows [begin, end) of x quantized into p.xq / x_lanes / x_sums / x_corr (const there: the
+// dispatcher owns the buffers and hands them in writable).
+void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+                   int64_t begin, int64_t end) {
+  const int64_t K = p.K, blocks = K / 32, pairs = p.pairs;
+  for (int64_t m = begin; m < end; ++m) {
+    const float* x = p.x + m * K;
+    for (int64_t pair = 0; pair < pairs; ++pair) {
+      int8_t* q = xq + (m * pairs + pair) * 64;
+      float d[2] = {0.0f, 0.0f};
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t b = 2 * pair + half;
+        int8_t* first = q + 16 * half;  // elements 0-15 of block b; 16-31 are 32 bytes on
+        if (b >= blocks) {  // the last pair's missing block: zero codes, zero scale
+          for (int i = 0; i < 16; ++i) first[i] = first[32 + i] = 0;
+          continue;
+        }
+        const V lo = vload(x + 32 * b), hi = vload(x + 32 * b + 16);
+        const float amax = vhmax(vmax(vabs(lo), vabs(hi)));
+        d[half] = amax / 127.0f;
+        const V inverse = vset1(d[half] != 0.0f ? 1.0f / d[half] : 0.0f);
+        const V code_lo = vround(vmul(lo, inverse)), code_hi = vround(vmul(hi, inverse));
+        vstore_i8(first, code_lo);
+        vstore_i8(first + 32, code_hi);
+        // Integers below 2^24: the float sum is exact in any order.
+        sums[m * blocks + b] = d[half] * vhsum(vadd(code_lo, code_hi));
+      }
+      vstore(lanes + (m * pairs + pair) * 16, vpair(d[0], d[1]));
+      qcorrection(q, corr + (m * pairs + pair) * 16);
+    }
+  }
+}
+
+// The scale of weight row `row`'s block b (0 past the last block).
+template <int64_t FORMAT>
+SS_INLINE float block_scale(const LinearParams& p, const RowRef& row, int64_t b, int64_t blocks) {
+  if (b >= blocks) return 0.0f;
+  if constexpr (FORMAT == kQ4_1_A8) return row.scale[b];
+  else return row.scale[p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift];
+}
+
+// out[r][c] for R rows (the x codes of rows `m`..) and kQTileCols columns `refs`.
+template <int R, int64_t FORMAT>
+SS_INLINE void qdot_tile(const LinearParams& p, int64_t m, const RowRef* refs,
+                         float (*out)[kQTileCols]) {
+  constexpr int C = kQTileCols;
+  const int64_t pairs = p.pairs, blocks = p.K / 32;
+  V acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const bool two = 2 * pair + 1 < blocks;
+    Q w[C];
+    V scale[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      if constexpr (FORMAT == kQ4_1_A8) {
+        w[c] = qweights_q4(reinterpret_cast<const uint8_t*>(refs[c].data) + pair * 32, two);
+      } else {
+        w[c] = qweights_i8(reinterpret_cast<const int8_t*>(refs[c].data) + pair * 64, two);
+      }
+      scale[c] = vpair(block_scale<FORMAT>(p, refs[c], 2 * pair, blocks),
+                       block_scale<FORMAT>(p, refs[c], 2 * pair + 1, blocks));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m + r) * pairs + pair;
+      const Q x = qload(p.xq + at * 64);
+      const V d = vload(p.x_lanes + at * 16);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        V sums;
+        if constexpr (FORMAT == kQ4_1_A8) sums = qdot_q4(w[c], x);
+        else sums = qdot_i8(w[c], x, p.x_corr + at * 16);
+        acc[r][c] = vfma(sums, vmul(scale[c], d), acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      V total = acc[r][c];
+      if constexpr (FORMAT == kQ4_1_A8) {  // the minimums: lane b % 16, blocks ascending
+        const float* sums = p.x_sums + (m + r) * blocks;
+        V low = vzero();
+        int64_t b = 0;
+        for (; b + 16 <= blocks; b += 16) low = vfma(vload(refs[c].minimum + b), vload(sums + b), low);
+        if (b < blocks) {
+          const int rest = static_cast<int>(blocks - b);
+          low = vfma(vload_n(refs[c].minimum + b, rest), vload_n(sums + b, rest), low);
+        }
+        total = vadd(total, low);
+      }
+      out[r][c] = vhsum(total);
+    }
+  }
+}
+
+template <int R, int64_t FORMAT>
+SS_INLINE void qdot_rows(int rows, const LinearParams& p, int64_t m, const RowRef* refs,
+                         float (*out)[kQTileCols]) {
+  if (rows == R) {
+    qdot_tile<R, FORMAT>(p, m, refs, out);
+  } else if constexpr (R > 1) {
+    qdot_rows<R - 1, FORMAT>(rows, p, m, refs, out);
+  }
+}
+
+template <int64_t FORMAT>
+static void linear_columns_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+  const int64_t M = p.M, N = p.N;
+  for (int64_t n = n_begin; n < n_end; n += kQTileCols) {
+    const int columns = static_cast<int>(min64(kQTileCols, n_end - n));
+    RowRef refs[kQTileCols];
+    for (int c = 0; c < kQTileCols; ++c) {
+      refs[c] = row_ref(p, n + (c < columns ? c : columns - 1));
+      // The next tiles' weight rows, on their way while this one computes.
+      const char* next = row_start(p, min64(n + c + 8 * kQTileCols, N - 1));
+      for (int64_t line = 0; line < row_bytes(p); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
+    for (int64_t m = 0; m < M; m += kQTileRows) {
+      const int rows = static_cast<int>(min64(kQTileRows, M - m));
+      float out[kQTileRows][kQTileCols];
+      qdot_rows<kQTileRows, FORMAT>(rows, p, m, refs, out);
+      for (int r = 0; r < rows; ++r) {
+        float* y = p.y + (m + r) * N + n;
+        for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n + c] : out[r][c];
+      }
+    }
+  }
+}
+
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
   switch (p.format) {
+    case kQ4_1_A8: linear_columns_a8<kQ4_1_A8>(p, n_begin, n_end); return;
+    case kInt8_A8: linear_columns_a8<kInt8_A8>(p, n_begin, n_end); return;
     case kFloat32: linear_columns_as<kFloat32>(p, n_begin, n_end, scratch); break;
     case kBFloat16: linear_columns_as<kBFloat16>(p, n_begin, n_end, scratch); break;
     case kInt8: linear_columns_as<kInt8>(p, n_begin, n_end, scratch); break;

@@ -14,11 +14,15 @@ namespace avx512 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
+void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+                   int64_t begin, int64_t end);
 }  // namespace avx512
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
+void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+                   int64_t begin, int64_t end);
 }  // namespace avx2
 
 namespace {
@@ -29,6 +33,9 @@ bool cpu_has(const char* isa) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("fma");
+  }
+  if (std::string(isa) == "avx512vnni") {
+    return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   }
   if (std::string(isa) == "avx2") {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -77,7 +84,7 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
   check_cpu(weight, "weight");
   TORCH_CHECK(weight.dim() >= 2, "weight must be [N, ...], got ", weight.dim(), " dimensions");
   N = weight.size(0);
-  switch (format) {
+  switch (stored_format(format)) {
     case kFloat32:
       TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
                   "float32 weight must be [N, K] float32");
@@ -114,6 +121,12 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
     }
     default:
       TORCH_CHECK(false, "unknown weight format ", format);
+  }
+  TORCH_CHECK(format >= kFloat32 && format <= kInt8_A8, "unknown weight format ", format);
+  if (int8_activations(format)) {
+    TORCH_CHECK(K % 32 == 0, "int8 activations need K divisible by 32, got ", K);
+    TORCH_CHECK(format != kInt8_A8 || group >= K || group % 32 == 0,
+                "int8 activations need int8 weight groups of a multiple of 32, got ", group);
   }
   if (bias.has_value()) {
     check_cpu(*bias, "bias");
@@ -162,7 +175,28 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   auto y = torch::empty(out_shape, x.options());
   p.y = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;
-  const bool wide = resolve_isa(isa) == "avx512";
+  bool wide = resolve_isa(isa) == "avx512";
+  torch::Tensor codes, lanes, sums, corr;  // the *_A8 formats' quantized activations
+  if (int8_activations(p.format)) {
+    // The AVX-512 integer path needs VNNI; without it the AVX2 path (the same bits) runs.
+    wide = wide && cpu_has("avx512vnni");
+    p.pairs = (K + 63) / 64;
+    codes = torch::empty({M, p.pairs * 64}, x.options().dtype(torch::kInt8));
+    lanes = torch::empty({M, p.pairs * 16}, x.options());
+    sums = torch::empty({M, K / 32}, x.options());
+    corr = torch::empty({M, p.pairs * 16}, x.options().dtype(torch::kInt32));
+    int8_t* c = codes.data_ptr<int8_t>();
+    float *l = lanes.data_ptr<float>(), *s = sums.data_ptr<float>();
+    int32_t* r = corr.data_ptr<int32_t>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
+      if (wide) avx512::quantize_rows(p, c, l, s, r, begin, end);
+      else avx2::quantize_rows(p, c, l, s, r, begin, end);
+    });
+    p.xq = c;
+    p.x_lanes = l;
+    p.x_sums = s;
+    p.x_corr = r;
+  }
   const int64_t tiles = (N + 3) / 4;  // 4 columns: a multiple of both paths' tile width
   // Enough work per task that a small layer stays on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 4 * K * M));

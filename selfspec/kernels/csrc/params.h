@@ -18,7 +18,17 @@ enum WeightFormat : int64_t {
   kInt8 = 2,      // w: int8 [N, K]; scale: float [N, K / group]; value = q * scale
   kQ4_1 = 3,      // w: uint8 [N, K / 32, 16] (GGUF Q4_1 nibbles: byte j = element j | element j+16
                   //    << 4); scale, min: float [N, K / 32]; value = (q * scale) + min
+  // The same weights with activations quantized to int8 per block of 32 at run time (W4A8 /
+  // W8A8, llama.cpp's arithmetic): integer dot products per block, see body.h. K % 32 == 0.
+  kQ4_1_A8 = 4,   // stored as kQ4_1
+  kInt8_A8 = 5,   // stored as kInt8, group a multiple of 32 (or K)
 };
+
+// How a format's weight is stored.
+SS_INLINE int64_t stored_format(int64_t format) {
+  return format == kQ4_1_A8 ? kQ4_1 : format == kInt8_A8 ? kInt8 : format;
+}
+SS_INLINE bool int8_activations(int64_t format) { return format == kQ4_1_A8 || format == kInt8_A8; }
 
 struct LinearParams {
   const float* x;        // [M, K] fp32 activations
@@ -32,6 +42,13 @@ struct LinearParams {
   int64_t group;         // elements per scale along K (int8: K for per-channel, or e.g. 32)
   int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
   const int64_t* rows;   // [N] the weight row output column n reads, or null (row n)
+  // The *_A8 formats: x quantized per block of 32 (quantize_rows, before the columns run), in
+  // pairs of blocks laid out as the integer dot products read them (body.h).
+  int64_t pairs;         // (K + 63) / 64
+  const int8_t* xq;      // [M, pairs, 64] codes
+  const float* x_lanes;  // [M, pairs, 16] the block scale of each int32 lane of a pair
+  const float* x_sums;   // [M, K / 32] block scale * sum of the block's codes
+  const int32_t* x_corr; // [M, pairs, 16] -128 * the sum of each lane's 4 codes (AVX-512 int8)
 };
 
 struct AttentionParams {

@@ -97,7 +97,82 @@ SS_INLINE __m256 exp_half(__m256 x) {
 }
 SS_INLINE V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
 
+// ---------------------------------------------------------------------------------------------
+// Integer dot products for the *_A8 formats: vec_avx512.h's pair order on two registers (bytes
+// 0-31, 32-63). maddubs (u8 x s8 -> pairs summed to int16, never saturating here: at most
+// 2 * 127 * 127) then madd with ones (-> int32 sums of 4 bytes): the same integers as VNNI.
+
+struct Q {
+  __m256i lo, hi;
+};
+
+SS_INLINE Q qload(const int8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+
+SS_INLINE Q qweights_q4(const uint8_t* p, bool two) {
+  const __m256i b = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(b, mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
+}
+
+// Signed codes in pair order (qdot_i8 multiplies by their magnitudes and signs).
+SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
+  const __m128i* b = reinterpret_cast<const __m128i*>(p);
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i b2 = two ? _mm_loadu_si128(b + 2) : zero, b3 = two ? _mm_loadu_si128(b + 3) : zero;
+  return {_mm256_setr_m128i(_mm_loadu_si128(b), b2), _mm256_setr_m128i(_mm_loadu_si128(b + 1), b3)};
+}
+
+SS_INLINE __m256 qdot_half(__m256i u, __m256i s) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+SS_INLINE V qdot_q4(Q w, Q x) { return {qdot_half(w.lo, x.lo), qdot_half(w.hi, x.hi)}; }
+// |w| * (x with w's sign): exactly sum q * x; `corr` is the VNNI path's and unused here.
+SS_INLINE V qdot_i8(Q w, Q x, const int32_t*) {
+  return {qdot_half(_mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(x.lo, w.lo)),
+          qdot_half(_mm256_sign_epi8(w.hi, w.hi), _mm256_sign_epi8(x.hi, w.hi))};
+}
+
+SS_INLINE V vpair(float d0, float d1) {
+  const __m256 ab = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
+  return {ab, ab};
+}
+
+SS_INLINE V vabs(V a) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, mask), _mm256_and_ps(a.hi, mask)};
+}
+SS_INLINE float vhmax(V a) {
+  alignas(32) float buffer[16];
+  vstore(buffer, a);
+  float top = buffer[0];
+  for (int i = 1; i < 16; ++i) top = buffer[i] > top ? buffer[i] : top;
+  return top;
+}
+
+SS_INLINE V vround(V a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+
+// The VNNI path's offset correction: qdot_i8 here needs none.
+SS_INLINE void qcorrection(const int8_t*, int32_t*) {}
+
+SS_INLINE void vstore_i8(int8_t* p, V a) {
+  const __m256i lo = _mm256_cvtps_epi32(a.lo), hi = _mm256_cvtps_epi32(a.hi);
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // in order
+  const __m128i w = _mm256_castsi256_si128(_mm256_packs_epi16(words, words));
+  const __m128i bytes = _mm_unpacklo_epi64(w, _mm256_extracti128_si256(_mm256_packs_epi16(words, words), 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bytes);
+}
+
 // 16 registers: 3 x 2 tiles of two-register accumulators (12) and two columns of weights (4);
 // activations are read as memory operands of the multiply-adds.
 constexpr int kTileRows = 3;
 constexpr int kTileCols = 2;
+// The *_A8 formats' integer path: 2 x 2 two-register accumulators, weights and activations.
+constexpr int kQTileRows = 2;
+constexpr int kQTileCols = 2;

@@ -103,6 +103,77 @@ SS_INLINE V vexp_nonpositive(V x) {
   return {_mm512_mul_ps(p, _mm512_castsi512_ps(e))};
 }
 
+// ---------------------------------------------------------------------------------------------
+// Integer dot products for the *_A8 formats (body.h), on AVX-512 VNNI. A pair of 32-element
+// blocks is 64 bytes in "pair order": block 0 elements 0-15, block 1 elements 0-15, block 0
+// elements 16-31, block 1 elements 16-31 (a Q4_1 byte's low and high nibbles land 32 bytes
+// apart). Int32 lane l of a dot product sums bytes 4l..4l+3: lanes 0-3 and 8-11 block 0, 4-7
+// and 12-15 block 1; vec_avx2.h computes the same integers.
+
+struct Q {
+  __m512i v;
+};
+
+SS_INLINE Q qload(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
+
+// A Q4_1 block pair's codes (0-15) in pair order, from its 32 nibble bytes; `two` false: only
+// block 0 (16 bytes read), block 1's lanes 0.
+SS_INLINE Q qweights_q4(const uint8_t* p, bool two) {
+  const __m256i b = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(b, mask);                         // elements 0-15
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);   // elements 16-31
+  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)};
+}
+
+// An int8 block pair's codes in pair order, offset by 128 (unsigned, as VNNI's first operand
+// must be; qdot_i8 takes the offset back out), from its 64 bytes (`two` false: 32).
+SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
+  const __m512i b = two ? _mm512_loadu_si512(p)
+                        : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i ordered = _mm512_shuffle_i64x2(b, b, 0xD8);  // 128-bit lanes 0, 2, 1, 3
+  return {_mm512_xor_si512(ordered, _mm512_set1_epi8(static_cast<char>(0x80)))};
+}
+
+// Lane sums of codes(w) * x as floats (exact integers); x signed.
+SS_INLINE V qdot_q4(Q w, Q x) {
+  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.v, x.v))};
+}
+// `corr` (the row's -128 * lane sums of x) removes qweights_i8's offset: exactly sum q * x.
+SS_INLINE V qdot_i8(Q w, Q x, const int32_t* corr) {
+  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_loadu_si512(corr), w.v, x.v))};
+}
+
+// Lanes [d0 x4, d1 x4, d0 x4, d1 x4]: a block pair's scales where qdot's lanes are.
+SS_INLINE V vpair(float d0, float d1) {
+  const __m128 a = _mm_set1_ps(d0), b = _mm_set1_ps(d1);
+  const __m256 ab = _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
+  return {_mm512_insertf32x8(_mm512_castps256_ps512(ab), ab, 1)};
+}
+
+SS_INLINE V vabs(V a) { return {_mm512_abs_ps(a.v)}; }
+SS_INLINE float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
+
+// Each lane rounded to the nearest integer, ties to even.
+SS_INLINE V vround(V a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+
+// qdot_i8's `corr` for a pair of activation codes: -128 * the sum of each lane's 4 codes.
+SS_INLINE void qcorrection(const int8_t* codes, int32_t* out) {
+  const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(codes));
+  _mm512_storeu_si512(out, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+}
+
+// 16 integer-valued lanes stored as int8, saturated.
+SS_INLINE void vstore_i8(int8_t* p, V a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(a.v)));
+}
+
 // Register tile of the linear kernel: rows x columns of accumulators (16 + 4 + 4 of 32 zmm).
 constexpr int kTileRows = 4;
 constexpr int kTileCols = 4;
+// And of the *_A8 formats' integer path.
+constexpr int kQTileRows = 4;
+constexpr int kQTileCols = 4;
