@@ -98,7 +98,7 @@ SS_INLINE const char* row_start(const LinearParams& p, int64_t n) {
 template <int R, int C, typename Load, typename LoadPair>
 SS_INLINE void dot_tile(const float* const* x_rows, Load load, LoadPair load_pair, int64_t K,
                         const char* const* next, int64_t from, int64_t to,
-                        float (*out)[kTileCols]) {
+                        float (*out)[C]) {
   V acc[R][C];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -147,45 +147,47 @@ SS_INLINE void dot_tile(const float* const* x_rows, Load load, LoadPair load_pai
 }
 
 // dot_tile for `rows` (1..R) rows, chosen at run time, compiled for each count.
-template <int R, typename Load, typename LoadPair>
+template <int R, int C, typename Load, typename LoadPair>
 SS_INLINE void dot_rows(int rows, const float* const* x_rows, Load load, LoadPair load_pair,
                         int64_t K, const char* const* next, int64_t from, int64_t to,
-                        float (*out)[kTileCols]) {
+                        float (*out)[C]) {
   if (rows == R) {
-    dot_tile<R, kTileCols>(x_rows, load, load_pair, K, next, from, to, out);
+    dot_tile<R, C>(x_rows, load, load_pair, K, next, from, to, out);
   } else if constexpr (R > 1) {
-    dot_rows<R - 1>(rows, x_rows, load, load_pair, K, next, from, to, out);
+    dot_rows<R - 1, C>(rows, x_rows, load, load_pair, K, next, from, to, out);
   }
 }
 
-// Columns [n_begin, n_end) of y, every row. `scratch`: linear_scratch_floats(p) floats.
+// Columns [n_begin, n_end) of y, every row, in register tiles of R rows x C columns.
+// `scratch`: linear_scratch_floats(p) floats.
 //
-// Up to one tile of rows reads the stored weights directly (dequantizing as it goes); more rows
-// dequantize each tile of weight rows once into `scratch` and read it from there. Both give the
-// same floats, so a row's result is the same either way.
-template <int64_t FORMAT>
-static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
+// `direct`: the tiles read the stored weights directly (dequantizing as they go); otherwise each
+// tile of weight rows is dequantized once into `scratch` and read from there by every tile of
+// rows. Both give the same floats, and each output element is summed in the same order whatever
+// the tile shape, so a row's result is the same every way.
+template <int64_t FORMAT, int R, int C>
+static void linear_columns_tiled(const LinearParams& p, int64_t n_begin, int64_t n_end,
+                                 float* scratch, bool direct) {
   const int64_t K = p.K, M = p.M, N = p.N;
   const int64_t stride = ((K + 15) / 16) * 16 + 16;
   const int64_t bytes = row_bytes(p);
-  const bool direct = M <= kTileRows || FORMAT == kFloat32;
   const int64_t shift = p.group_shift;
-  for (int64_t n = n_begin; n < n_end; n += kTileCols) {
+  for (int64_t n = n_begin; n < n_end; n += C) {
     // Fewer columns than a tile only at the end of the range: spare slots repeat the last one.
-    const int columns = static_cast<int>(min64(kTileCols, n_end - n));
-    int64_t rows_of[kTileCols];
-    RowRef refs[kTileCols];
-    const char* next[kTileCols];
-    for (int c = 0; c < kTileCols; ++c) {
+    const int columns = static_cast<int>(min64(C, n_end - n));
+    int64_t rows_of[C];
+    RowRef refs[C];
+    const char* next[C];
+    for (int c = 0; c < C; ++c) {
       rows_of[c] = n + (c < columns ? c : columns - 1);
       refs[c] = row_ref(p, rows_of[c]);
       // Eight tiles ahead: at one row a tile computes in ~0.1 us, less than memory latency;
       // two tiles ahead measured 2x slower on a stream of MLP layers (AVX-512 EPYC, 1 thread).
-      next[c] = row_start(p, min64(rows_of[c] + 8 * kTileCols, N - 1));
+      next[c] = row_start(p, min64(rows_of[c] + 8 * C, N - 1));
     }
-    const float* dense[kTileCols];
+    const float* dense[C];
     if (!direct) {
-      for (int c = 0; c < kTileCols; ++c) {
+      for (int c = 0; c < C; ++c) {
         float* dst = scratch + c * stride;
         dense[c] = dst;
         if (c >= columns) continue;
@@ -193,7 +195,7 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
           vstore(dst + k, weight_chunk<FORMAT>(refs[c], k, k + 16 <= K ? 16 : static_cast<int>(K - k), shift));
         }
       }
-      for (int c = columns; c < kTileCols; ++c) dense[c] = dense[columns - 1];
+      for (int c = columns; c < C; ++c) dense[c] = dense[columns - 1];
     }
     auto from_store = [&](int c, int64_t k, int rest) __attribute__((always_inline)) { return weight_chunk<FORMAT>(refs[c], k, rest, shift); };
     auto pair_from_store = [&](int c, int64_t k, V& lo, V& hi) __attribute__((always_inline)) {
@@ -207,18 +209,18 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
       return rest == 16 ? vload(dense[c] + k) : vload_n(dense[c] + k, rest);
     };
     // Each tile of rows prefetches its share of the next weight rows' bytes.
-    const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
-    for (int64_t m = 0; m < M; m += kTileRows) {
-      const int rows = static_cast<int>(min64(kTileRows, M - m));
-      const int64_t tile = m / kTileRows;
+    const int64_t row_tiles = (M + R - 1) / R;
+    for (int64_t m = 0; m < M; m += R) {
+      const int rows = static_cast<int>(min64(R, M - m));
+      const int64_t tile = m / R;
       const int64_t from = bytes * tile / row_tiles, to = bytes * (tile + 1) / row_tiles;
-      const float* x_rows[kTileRows];
-      for (int r = 0; r < kTileRows; ++r) x_rows[r] = p.x + (m + (r < rows ? r : rows - 1)) * K;
-      float out[kTileRows][kTileCols];
+      const float* x_rows[R];
+      for (int r = 0; r < R; ++r) x_rows[r] = p.x + (m + (r < rows ? r : rows - 1)) * K;
+      float out[R][C];
       if (direct) {
-        dot_rows<kTileRows>(rows, x_rows, from_store, pair_from_store, K, next, from, to, out);
+        dot_rows<R, C>(rows, x_rows, from_store, pair_from_store, K, next, from, to, out);
       } else {
-        dot_rows<kTileRows>(rows, x_rows, from_scratch, pair_from_scratch, K, next, from, to, out);
+        dot_rows<R, C>(rows, x_rows, from_scratch, pair_from_scratch, K, next, from, to, out);
       }
       for (int r = 0; r < rows; ++r) {
         float* y = p.y + (m + r) * N + n;
@@ -374,6 +376,19 @@ static void linear_columns_a8(const LinearParams& p, int64_t n_begin, int64_t n_
         for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n + c] : out[r][c];
       }
     }
+  }
+}
+
+// Up to kTileRows rows: one direct tile of rows. Up to kTallRows: one direct tall tile (the
+// weights dequantized once, in registers, for every row). More: dequantized once into scratch.
+// Dense fp32 always reads directly (nothing to dequantize).
+template <int64_t FORMAT>
+static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
+  if (p.M > kTileRows && p.M <= kTallRows && FORMAT != kFloat32) {
+    linear_columns_tiled<FORMAT, kTallRows, kTallCols>(p, n_begin, n_end, scratch, true);
+  } else {
+    const bool direct = p.M <= kTileRows || FORMAT == kFloat32;
+    linear_columns_tiled<FORMAT, kTileRows, kTileCols>(p, n_begin, n_end, scratch, direct);
   }
 }
 

@@ -173,6 +173,9 @@ SS_INLINE void vstore_i8(int8_t* p, V a) {
 // activations are read as memory operands of the multiply-adds.
 constexpr int kTileRows = 3;
 constexpr int kTileCols = 2;
+// A taller one for 4-6 rows of quantized weights: 6 two-register accumulators, one column.
+constexpr int kTallRows = 6;
+constexpr int kTallCols = 1;
 // The *_A8 formats' integer path: 2 x 2 two-register accumulators, weights and activations.
 constexpr int kQTileRows = 2;
 constexpr int kQTileCols = 2;

@@ -174,6 +174,9 @@ SS_INLINE void vstore_i8(int8_t* p, V a) {
 // Register tile of the linear kernel: rows x columns of accumulators (16 + 4 + 4 of 32 zmm).
 constexpr int kTileRows = 4;
 constexpr int kTileCols = 4;
+// A taller one for 5-8 rows of quantized weights (16 + 4 + 1 zmm).
+constexpr int kTallRows = 8;
+constexpr int kTallCols = 2;
 // And of the *_A8 formats' integer path.
 constexpr int kQTileRows = 4;
 constexpr int kQTileCols = 4;
