@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from selfspec.kernels import extension
-from selfspec.kernels.weights import ACTIVATION_BLOCK, KernelWeight
+from selfspec.kernels.weights import ACTIVATION_BLOCK, Q4_BLOCK, KernelWeight, interleave_q4_1
 
 FALLBACK_ROW_LIMIT = 64
 MASKED = -1.0e30  # additive mask values at or below this are masked out
@@ -52,7 +52,12 @@ def linear_rows(
     rows: torch.Tensor,  # [N'] int64, each in [0, N)
 ) -> torch.Tensor:
     """``x @ weight[rows].T`` through the C++ kernel, reading only those weight rows in place
-    (nothing gathered): each column has the bits of the full product's column. # [..., N']"""
+    (nothing gathered): each column has the bits of the full product's column. # [..., N']
+
+    A q4_1_a8 weight (columns interleaved by 16) has its rows gathered into a new one first:
+    its kernel computes every column alone, so the bits are the same."""
+    if weight.format == "q4_1_a8":
+        return linear(x, _selected_rows_q4_1(weight, rows))
     return _module().linear_rows(
         x,
         weight.code,
@@ -63,6 +68,26 @@ def linear_rows(
         rows.long().contiguous(),
         extension.requested_isa(),
     )
+
+
+def _selected_rows_q4_1(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < weight.out_features):
+        raise RuntimeError(
+            f"rows must lie in [0, {weight.out_features}), got [{int(rows.min())}, "
+            f"{int(rows.max())}]"
+        )
+    data, scale, minimum = weight.q4_1_blocks()
+    rows = rows.long()
+    selected = KernelWeight(
+        "q4_1",
+        data[rows].contiguous(),
+        rows.numel(),
+        weight.in_features,
+        scale=scale[rows].contiguous(),
+        minimum=minimum[rows].contiguous(),
+        group=Q4_BLOCK,
+    )
+    return interleave_q4_1(selected)
 
 
 def linear_fallback(
@@ -92,7 +117,7 @@ def linear_a8_fallback(
     kernel computes, in another order. # [M, N] float32"""
     n, blocks = codes.shape[0], codes.shape[1]
     if weight.stored == "q4_1":
-        scale, minimum = weight.scale, weight.minimum
+        _, scale, minimum = weight.q4_1_blocks()
     else:
         per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
         scale = weight.scale.repeat_interleave(per_block, 1) if per_block else weight.scale
@@ -115,7 +140,8 @@ def a8_weight_codes(weight: KernelWeight) -> torch.Tensor:
     n, k = weight.out_features, weight.in_features
     if weight.stored == "int8":
         return weight.data.float().view(n, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
-    return torch.cat(((weight.data & 0x0F).float(), (weight.data >> 4).float()), dim=-1)
+    data = weight.q4_1_blocks()[0]
+    return torch.cat(((data & 0x0F).float(), (data >> 4).float()), dim=-1)
 
 
 def rms_norm(

@@ -13,6 +13,10 @@ Formats (``KernelWeight.format``):
 the activations quantized to int8 per block of 32 at run time (W8A8 / W4A8: integer dot
 products, llama.cpp's arithmetic; ``activations_int8`` makes one from the other). Lossy against
 float activations, and a mode of its own: within it every row is still computed row-invariantly.
+``q4_1_a8`` holds its blocks interleaved by 16 output columns (``interleave_q4_1``): one 64-byte
+load gives 4 codes of each of 16 columns, what one integer dot-product instruction multiplies by
+4 broadcast activation codes, so the per-block scaling is done once per 16 columns (see
+``csrc/body.h``). The same bytes as Q4_1, moved; ``q4_1_blocks`` gives the Q4_1 view back.
 
 ``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
 ``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
@@ -31,6 +35,7 @@ FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3, "q4_1_a8": 4,
 STORED_AS = {"q4_1_a8": "q4_1", "int8_a8": "int8"}  # int8 activations: the weight stored as
 Q4_BLOCK = 32
 ACTIVATION_BLOCK = 32  # int8 activations: one scale per this many activations of a row
+COLUMN_GROUP = 16  # q4_1_a8: output columns interleaved together
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,13 +45,14 @@ class KernelWeight:
     format: str
     """One of ``FORMATS``."""
     data: torch.Tensor
-    """float32 / bfloat16 / int8 [N, K], or uint8 [N, K / 32, 16] nibbles for q4_1."""
+    """float32 / bfloat16 / int8 [N, K]; uint8 [N, K / 32, 16] nibbles for q4_1; for q4_1_a8 the
+    same bytes interleaved, uint8 [ceil(N / 16), K / 32, 4, 64] (``interleave_q4_1``)."""
     out_features: int
     in_features: int
     scale: torch.Tensor | None = None
-    """float32 [N, groups] (int8) or [N, K / 32] (q4_1)."""
+    """float32 [N, groups] (int8) or [N, K / 32] (q4_1); [K / 32, N] for q4_1_a8."""
     minimum: torch.Tensor | None = None
-    """float32 [N, K / 32] (q4_1)."""
+    """float32 [N, K / 32] (q4_1); [K / 32, N] for q4_1_a8."""
     group: int = 0
     """Weights per scale along a row (int8: ``in_features`` for per-channel; q4_1: 32)."""
 
@@ -61,6 +67,8 @@ class KernelWeight:
             "int8": (torch.int8, (n, k)),
             "q4_1": (torch.uint8, (n, k // Q4_BLOCK, 16)),
         }[stored]
+        if self.format == "q4_1_a8":
+            expected = (torch.uint8, (-(-n // COLUMN_GROUP), k // Q4_BLOCK, 4, 64))
         if self.data.dtype != expected[0] or tuple(self.data.shape) != expected[1]:
             raise ValueError(
                 f"{self.format} weight data must be {expected[0]} {list(expected[1])}, got "
@@ -89,8 +97,9 @@ class KernelWeight:
         if stored == "q4_1":
             if self.group != Q4_BLOCK:
                 raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
-            _check_table(self.scale, (n, k // Q4_BLOCK), "q4_1 scale")
-            _check_table(self.minimum, (n, k // Q4_BLOCK), "q4_1 min")
+            table = (k // Q4_BLOCK, n) if self.format == "q4_1_a8" else (n, k // Q4_BLOCK)
+            _check_table(self.scale, table, f"{self.format} scale")
+            _check_table(self.minimum, table, f"{self.format} min")
 
     @property
     def stored(self) -> str:
@@ -117,11 +126,25 @@ class KernelWeight:
         if self.stored == "int8":
             scale = self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
             return self.data.float() * scale
-        low = (self.data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
-        high = (self.data >> 4).float()  # elements 16-31
+        data, scale, minimum = self.q4_1_blocks()
+        low = (data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
+        high = (data >> 4).float()  # elements 16-31
         codes = torch.cat((low, high), dim=-1)  # [N, blocks, 32]
-        dense = (codes * self.scale[..., None]) + self.minimum[..., None]
+        dense = (codes * scale[..., None]) + minimum[..., None]
         return dense.reshape(self.out_features, self.in_features)
+
+    def q4_1_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A q4_1 or q4_1_a8 weight's Q4_1 blocks: nibbles uint8 [N, K / 32, 16], scale and
+        minimum float32 [N, K / 32] (q4_1_a8's interleaving undone)."""
+        if self.stored != "q4_1":
+            raise ValueError(f"{self.format} weights have no Q4_1 blocks")
+        if self.format == "q4_1":
+            return self.data, self.scale, self.minimum
+        n, blocks = self.out_features, self.in_features // Q4_BLOCK
+        # [G, blocks, 4, 16 columns, 4 bytes] -> [G, 16, blocks, 4, 4] -> [N, blocks, 16]
+        data = self.data.view(-1, blocks, 4, COLUMN_GROUP, 4).permute(0, 3, 1, 2, 4)
+        data = data.reshape(-1, blocks, 16)[:n]
+        return data, self.scale.t(), self.minimum.t()
 
 
 def activations_int8(weight: KernelWeight) -> KernelWeight:
@@ -129,10 +152,33 @@ def activations_int8(weight: KernelWeight) -> KernelWeight:
     ``q4_1`` -> ``q4_1_a8``); a weight already so is returned as it is."""
     if weight.format in STORED_AS:
         return weight
-    format = {"int8": "int8_a8", "q4_1": "q4_1_a8"}.get(weight.format)
-    if format is None:
+    if weight.format == "q4_1":
+        return interleave_q4_1(weight)
+    if weight.format != "int8":
         raise ValueError(f"int8 activations need int8 or q4_1 weights, got {weight.format}")
-    return dataclasses.replace(weight, format=format)
+    return dataclasses.replace(weight, format="int8_a8")
+
+
+def interleave_q4_1(weight: KernelWeight) -> KernelWeight:
+    """A q4_1 weight as q4_1_a8: for each group of 16 output columns and each block, the 16
+    nibble bytes of every column cut into 4 runs of 4 bytes, run t of columns 0-15 side by side
+    (64 bytes: the low nibbles are elements 4t..4t+3 of each column, the high ones 16+4t..);
+    scale and minimum transposed to [K / 32, N]. The last group is padded with zero columns."""
+    n, blocks = weight.out_features, weight.in_features // Q4_BLOCK
+    groups = -(-n // COLUMN_GROUP)
+    data = torch.zeros(groups * COLUMN_GROUP, blocks, 16, dtype=torch.uint8)
+    data[:n] = weight.data
+    # [G, 16 columns, blocks, 4 runs, 4 bytes] -> [G, blocks, 4, 16, 4]
+    data = data.view(groups, COLUMN_GROUP, blocks, 4, 4).permute(0, 2, 3, 1, 4)
+    return KernelWeight(
+        "q4_1_a8",
+        data.reshape(groups, blocks, 4, 64).contiguous(),
+        n,
+        weight.in_features,
+        scale=weight.scale.t().contiguous(),
+        minimum=weight.minimum.t().contiguous(),
+        group=Q4_BLOCK,
+    )
 
 
 def _check_table(table: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:

@@ -235,11 +235,13 @@ static void linear_columns_tiled(const LinearParams& p, int64_t n_begin, int64_t
 // block (llama.cpp's arithmetic for Q4_1 x Q8_1 and Q8_0 x Q8_0, in our own fixed order).
 //
 // Row m's block b: d = max|x| / 127, codes c = round(x * (1 / d)) (ties to even; d = 0: all 0).
-// Then, with weight codes q and block scale s (and Q4_1's minimum mn):
-//   y[m, n] = vhsum(A + B)
-//   A: lane l of the 16, over block pairs in ascending order: A = fma(float(I_l), s_pair * d_pair, A)
-//      where I_l is the exact integer sum of q * c over lane l's 4 bytes (pair order, vec_*.h)
-//   B (Q4_1 only): lane b % 16, blocks ascending: B = fma(mn_b, d_b * sum(c over block b), B)
+// With weight codes q, block scale s (and Q4_1's minimum mn), I_b the exact integer sum of q * c
+// over the block and S_b = d_b * sum(c over block b):
+//   Int8_A8: y[m, n] = vhsum(A), A: lane l of 16, over block pairs in ascending order:
+//            A = fma(float(I_l), s_pair * d_pair, A), I_l the integer sum over lane l's 4 bytes
+//            (pair order, vec_*.h)
+//   Q4_1_A8: one lane per output column (16 columns interleaved), blocks ascending:
+//            y = fma(float(I_b), s_b * d_b, y); y = fma(mn_b, S_b, y)
 // Integers are exact and every float step is fixed by the row's own values, so a row's result
 // never depends on the other rows of the call (row invariance), and both ISA paths give the same
 // bits.
@@ -281,8 +283,7 @@ void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums,
 template <int64_t FORMAT>
 SS_INLINE float block_scale(const LinearParams& p, const RowRef& row, int64_t b, int64_t blocks) {
   if (b >= blocks) return 0.0f;
-  if constexpr (FORMAT == kQ4_1_A8) return row.scale[b];
-  else return row.scale[p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift];
+  return row.scale[p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift];
 }
 
 // out[r][c] for R rows (the x codes of rows `m`..) and kQTileCols columns `refs`.
@@ -302,11 +303,7 @@ SS_INLINE void qdot_tile(const LinearParams& p, int64_t m, const RowRef* refs,
     V scale[C];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      if constexpr (FORMAT == kQ4_1_A8) {
-        w[c] = qweights_q4(reinterpret_cast<const uint8_t*>(refs[c].data) + pair * 32, two);
-      } else {
-        w[c] = qweights_i8(reinterpret_cast<const int8_t*>(refs[c].data) + pair * 64, two);
-      }
+      w[c] = qweights_i8(reinterpret_cast<const int8_t*>(refs[c].data) + pair * 64, two);
       scale[c] = vpair(block_scale<FORMAT>(p, refs[c], 2 * pair, blocks),
                        block_scale<FORMAT>(p, refs[c], 2 * pair + 1, blocks));
     }
@@ -317,31 +314,14 @@ SS_INLINE void qdot_tile(const LinearParams& p, int64_t m, const RowRef* refs,
       const V d = vload(p.x_lanes + at * 16);
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) {
-        V sums;
-        if constexpr (FORMAT == kQ4_1_A8) sums = qdot_q4(w[c], x);
-        else sums = qdot_i8(w[c], x, p.x_corr + at * 16);
-        acc[r][c] = vfma(sums, vmul(scale[c], d), acc[r][c]);
+        acc[r][c] = vfma(qdot_i8(w[c], x, p.x_corr + at * 16), vmul(scale[c], d), acc[r][c]);
       }
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      V total = acc[r][c];
-      if constexpr (FORMAT == kQ4_1_A8) {  // the minimums: lane b % 16, blocks ascending
-        const float* sums = p.x_sums + (m + r) * blocks;
-        V low = vzero();
-        int64_t b = 0;
-        for (; b + 16 <= blocks; b += 16) low = vfma(vload(refs[c].minimum + b), vload(sums + b), low);
-        if (b < blocks) {
-          const int rest = static_cast<int>(blocks - b);
-          low = vfma(vload_n(refs[c].minimum + b, rest), vload_n(sums + b, rest), low);
-        }
-        total = vadd(total, low);
-      }
-      out[r][c] = vhsum(total);
-    }
+    for (int c = 0; c < C; ++c) out[r][c] = vhsum(acc[r][c]);
   }
 }
 
@@ -379,6 +359,76 @@ static void linear_columns_a8(const LinearParams& p, int64_t n_begin, int64_t n_
   }
 }
 
+// Q4_1_A8: rows m.. (R of them) of the 16 columns of interleaved group g, into out[r].
+template <int R>
+SS_INLINE void q4_group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
+  const int64_t blocks = p.K / 32, pairs = p.pairs, N = p.N, n0 = 16 * g;
+  const int live = static_cast<int>(min64(16, N - n0));
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * 256;
+  V acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    Q lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) qnibbles(w + b * 256 + 64 * t, lo[t], hi[t]);
+    // The next group's block, on its way (the stream of groups is one thread's columns).
+    _mm_prefetch(reinterpret_cast<const char*>(w + (blocks + b) * 256), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (blocks + b) * 256 + 128), _MM_HINT_T0);
+    const float* scale = p.scale + b * N + n0;
+    const float* minimum = p.minimum + b * N + n0;
+    const V s = live == 16 ? vload(scale) : vload_n(scale, live);
+    const V mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+    const int64_t pair = b >> 1, half = b & 1;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m + r) * pairs + pair;
+      const int8_t* x = p.xq + at * 64 + 16 * half;  // elements 0-15; 16-31 are 32 bytes on
+      Q sum = qzero();
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        int32_t x_lo, x_hi;
+        __builtin_memcpy(&x_lo, x + 4 * t, 4);
+        __builtin_memcpy(&x_hi, x + 32 + 4 * t, 4);
+        sum = qdot_bcast(qdot_bcast(sum, lo[t], x_lo), hi[t], x_hi);
+      }
+      const float d = p.x_lanes[at * 16 + 4 * half];  // vpair's lane of block `half`
+      acc[r] = vfma(qfloat(sum), vmul(s, vset1(d)), acc[r]);
+      acc[r] = vfma(mn, vset1(p.x_sums[(m + r) * blocks + b]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
+}
+
+template <int R>
+SS_INLINE void q4_group_rows(int rows, const LinearParams& p, int64_t m, int64_t g, V* out) {
+  if (rows == R) {
+    q4_group_tile<R>(p, m, g, out);
+  } else if constexpr (R > 1) {
+    q4_group_rows<R - 1>(rows, p, m, g, out);
+  }
+}
+
+// Q4_1_A8 columns [n_begin, n_end), n_begin a multiple of 16: whole groups, every row.
+static void linear_groups_q4_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+  const int64_t M = p.M, N = p.N;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
+    const int columns = static_cast<int>(min64(16, n_end - n0));
+    for (int64_t m = 0; m < M; m += kQGroupRows) {
+      const int rows = static_cast<int>(min64(kQGroupRows, M - m));
+      V out[kQGroupRows];
+      q4_group_rows<kQGroupRows>(rows, p, m, n0 / 16, out);
+      for (int r = 0; r < rows; ++r) {
+        alignas(64) float lanes[16];
+        vstore(lanes, out[r]);
+        float* y = p.y + (m + r) * N + n0;
+        for (int c = 0; c < columns; ++c) y[c] = p.bias ? lanes[c] + p.bias[n0 + c] : lanes[c];
+      }
+    }
+  }
+}
+
 // Up to kTileRows rows: one direct tile of rows. Up to kTallRows: one direct tall tile (the
 // weights dequantized once, in registers, for every row). More: dequantized once into scratch.
 // Dense fp32 always reads directly (nothing to dequantize).
@@ -394,7 +444,7 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
 
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
   switch (p.format) {
-    case kQ4_1_A8: linear_columns_a8<kQ4_1_A8>(p, n_begin, n_end); return;
+    case kQ4_1_A8: linear_groups_q4_a8(p, n_begin, n_end); return;
     case kInt8_A8: linear_columns_a8<kInt8_A8>(p, n_begin, n_end); return;
     case kFloat32: linear_columns_as<kFloat32>(p, n_begin, n_end, scratch); break;
     case kBFloat16: linear_columns_as<kBFloat16>(p, n_begin, n_end, scratch); break;

@@ -108,6 +108,21 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       break;
     }
     case kQ4_1: {
+      if (format == kQ4_1_A8) {  // interleaved by 16 columns: [G, K / 32, 4, 64]
+        TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 4 && weight.size(2) == 4 &&
+                        weight.size(3) == 64,
+                    "q4_1_a8 weight must be uint8 [ceil(N / 16), K / 32, 4, 64]");
+        TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1_a8 weight needs scale and min");
+        check_cpu(*scale, "scale");
+        check_cpu(*minimum, "min");
+        K = weight.size(1) * 32;
+        TORCH_CHECK(scale->dim() == 2 && scale->size(0) == K / 32, "q4_1_a8 scale must be float32 [K / 32, N]");
+        N = scale->size(1);
+        TORCH_CHECK(weight.size(0) == (N + 15) / 16 && scale->scalar_type() == torch::kFloat32 &&
+                        minimum->scalar_type() == torch::kFloat32 && minimum->sizes() == scale->sizes(),
+                    "q4_1_a8 weight [", weight.size(0), ", ...] does not fit scale and min float32 [K / 32, N]");
+        break;
+      }
       TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && N > 0 && weight.numel() % (N * 16) == 0,
                   "q4_1 weight must be uint8 [N, K / 32, 16]");
       K = weight.numel() / N * 2;
@@ -148,6 +163,8 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     check_cpu(*rows, "rows");
     TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
     TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
+    TORCH_CHECK(w.format != kQ4_1_A8, "a row-selected linear does not take q4_1_a8 weights (columns "
+                "interleaved by 16); use q4_1, int8 or int8_a8");
     N = rows->numel();
     if (N > 0) {
       const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
@@ -197,15 +214,17 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     p.x_sums = s;
     p.x_corr = r;
   }
-  const int64_t tiles = (N + 3) / 4;  // 4 columns: a multiple of both paths' tile width
+  // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for q4_1_a8's groups.
+  const int64_t width = p.format == kQ4_1_A8 ? 16 : 4;
+  const int64_t tiles = (N + width - 1) / width;
   // Enough work per task that a small layer stays on one thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, 4 * K * M));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, width * K * M));
   const int64_t scratch_size = linear_scratch_floats(p);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_size);
-    const int64_t n_end = std::min(N, end * 4);
-    if (wide) avx512::linear_columns(p, begin * 4, n_end, scratch.data());
-    else avx2::linear_columns(p, begin * 4, n_end, scratch.data());
+    const int64_t n_end = std::min(N, end * width);
+    if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
+    else avx2::linear_columns(p, begin * width, n_end, scratch.data());
   });
   return y;
 }

@@ -20,7 +20,9 @@ enum WeightFormat : int64_t {
                   //    << 4); scale, min: float [N, K / 32]; value = (q * scale) + min
   // The same weights with activations quantized to int8 per block of 32 at run time (W4A8 /
   // W8A8, llama.cpp's arithmetic): integer dot products per block, see body.h. K % 32 == 0.
-  kQ4_1_A8 = 4,   // stored as kQ4_1
+  kQ4_1_A8 = 4,   // kQ4_1's bytes interleaved by 16 columns: w uint8 [ceil(N / 16), K / 32, 4, 64]
+                  //    (per group and block, run t: bytes 4t..4t+3 of columns 0-15); scale, min:
+                  //    float [K / 32, N]
   kInt8_A8 = 5,   // stored as kInt8, group a multiple of 32 (or K)
 };
 

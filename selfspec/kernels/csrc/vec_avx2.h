@@ -111,13 +111,6 @@ SS_INLINE Q qload(const int8_t* p) {
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
 
-SS_INLINE Q qweights_q4(const uint8_t* p, bool two) {
-  const __m256i b = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  return {_mm256_and_si256(b, mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
-}
-
 // Signed codes in pair order (qdot_i8 multiplies by their magnitudes and signs).
 SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
   const __m128i* b = reinterpret_cast<const __m128i*>(p);
@@ -129,7 +122,6 @@ SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
 SS_INLINE __m256 qdot_half(__m256i u, __m256i s) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
-SS_INLINE V qdot_q4(Q w, Q x) { return {qdot_half(w.lo, x.lo), qdot_half(w.hi, x.hi)}; }
 // |w| * (x with w's sign): exactly sum q * x; `corr` is the VNNI path's and unused here.
 SS_INLINE V qdot_i8(Q w, Q x, const int32_t*) {
   return {qdot_half(_mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(x.lo, w.lo)),
@@ -140,6 +132,24 @@ SS_INLINE V vpair(float d0, float d1) {
   const __m256 ab = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
   return {ab, ab};
 }
+
+// q4_1_a8's interleaved groups: vec_avx512.h's codes on two registers (columns 0-7, 8-15), and
+// its integer dot product as maddubs (u8 codes 0-15 x s8: pair sums at most 2 * 15 * 127, never
+// saturating) then madd with ones: the same integers.
+SS_INLINE void qnibbles(const uint8_t* p, Q& lo, Q& hi) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  lo = {_mm256_and_si256(a, mask), _mm256_and_si256(b, mask)};
+  hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
+}
+SS_INLINE Q qzero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), ones))};
+}
+SS_INLINE V qfloat(Q a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 
 SS_INLINE V vabs(V a) {
   const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -179,3 +189,5 @@ constexpr int kTallCols = 1;
 // The *_A8 formats' integer path: 2 x 2 two-register accumulators, weights and activations.
 constexpr int kQTileRows = 2;
 constexpr int kQTileCols = 2;
+// q4_1_a8's 16-column groups (the codes are read again for each row: too few registers).
+constexpr int kQGroupRows = 4;

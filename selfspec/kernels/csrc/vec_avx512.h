@@ -116,17 +116,6 @@ struct Q {
 
 SS_INLINE Q qload(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
 
-// A Q4_1 block pair's codes (0-15) in pair order, from its 32 nibble bytes; `two` false: only
-// block 0 (16 bytes read), block 1's lanes 0.
-SS_INLINE Q qweights_q4(const uint8_t* p, bool two) {
-  const __m256i b = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(b, mask);                         // elements 0-15
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);   // elements 16-31
-  return {_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)};
-}
-
 // An int8 block pair's codes in pair order, offset by 128 (unsigned, as VNNI's first operand
 // must be; qdot_i8 takes the offset back out), from its 64 bytes (`two` false: 32).
 SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
@@ -136,10 +125,6 @@ SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
   return {_mm512_xor_si512(ordered, _mm512_set1_epi8(static_cast<char>(0x80)))};
 }
 
-// Lane sums of codes(w) * x as floats (exact integers); x signed.
-SS_INLINE V qdot_q4(Q w, Q x) {
-  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.v, x.v))};
-}
 // `corr` (the row's -128 * lane sums of x) removes qweights_i8's offset: exactly sum q * x.
 SS_INLINE V qdot_i8(Q w, Q x, const int32_t* corr) {
   return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_loadu_si512(corr), w.v, x.v))};
@@ -151,6 +136,20 @@ SS_INLINE V vpair(float d0, float d1) {
   const __m256 ab = _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
   return {_mm512_insertf32x8(_mm512_castps256_ps512(ab), ab, 1)};
 }
+
+// q4_1_a8's interleaved groups (body.h): 64 bytes (4 consecutive elements of each of 16 columns
+// in the low nibbles, 4 more in the high ones) -> the low and the high codes, 0-15 as u8.
+SS_INLINE void qnibbles(const uint8_t* p, Q& lo, Q& hi) {
+  const __m512i b = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(0x0F);
+  lo = {_mm512_and_si512(b, mask)};
+  hi = {_mm512_and_si512(_mm512_srli_epi16(b, 4), mask)};
+}
+SS_INLINE Q qzero() { return {_mm512_setzero_si512()}; }
+// acc + per lane: its 4 codes (u8) times the 4 signed bytes of `x4`, summed (exact).
+SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
+  return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
+}
+SS_INLINE V qfloat(Q a) { return {_mm512_cvtepi32_ps(a.v)}; }
 
 SS_INLINE V vabs(V a) { return {_mm512_abs_ps(a.v)}; }
 SS_INLINE float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
@@ -180,3 +179,5 @@ constexpr int kTallCols = 2;
 // And of the *_A8 formats' integer path.
 constexpr int kQTileRows = 4;
 constexpr int kQTileCols = 4;
+// q4_1_a8's 16-column groups: rows of accumulators (12 + 8 codes + scale, minimum, sum).
+constexpr int kQGroupRows = 12;
