@@ -71,7 +71,7 @@ def linear_rows(
 
 
 def _selected_rows_q4_1(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
-    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < weight.out_features):
+    if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < weight.out_features):
         raise RuntimeError(
             f"rows must lie in [0, {weight.out_features}), got [{int(rows.min())}, "
             f"{int(rows.max())}]"
