@@ -372,11 +372,15 @@ SS_INLINE void q4_group_tile(const LinearParams& p, int64_t m, int64_t g, V* out
     Q lo[4], hi[4];
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) qnibbles(w + b * 256 + 64 * t, lo[t], hi[t]);
-    // The next group's block, on its way (the stream of groups is one thread's columns).
-    _mm_prefetch(reinterpret_cast<const char*>(w + (blocks + b) * 256), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (blocks + b) * 256 + 128), _MM_HINT_T0);
     const float* scale = p.scale + b * N + n0;
     const float* minimum = p.minimum + b * N + n0;
+    // Four groups ahead, on their way: the codes (one stream) and the scales and minimums (a
+    // line per block each, N floats apart).
+    const uint8_t* ahead = w + (4 * blocks + b) * 256;
+#pragma GCC unroll 4
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
     const V s = live == 16 ? vload(scale) : vload_n(scale, live);
     const V mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
     const int64_t pair = b >> 1, half = b & 1;
