@@ -10,11 +10,19 @@ from each other: a process uses one of them throughout, so speculative and plain
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import torch
 from torch.nn import functional as F
 
 from selfspec.kernels import extension
-from selfspec.kernels.weights import ACTIVATION_BLOCK, Q4_BLOCK, KernelWeight, interleave_q4_1
+from selfspec.kernels.weights import (
+    ACTIVATION_BLOCK,
+    STORED_AS,
+    KernelWeight,
+    activations_int8,
+)
 
 FALLBACK_ROW_LIMIT = 64
 MASKED = -1.0e30  # additive mask values at or below this are masked out
@@ -54,10 +62,12 @@ def linear_rows(
     """``x @ weight[rows].T`` through the C++ kernel, reading only those weight rows in place
     (nothing gathered): each column has the bits of the full product's column. # [..., N']
 
-    A q4_1_a8 weight (columns interleaved by 16) has its rows gathered into a new one first:
-    its kernel computes every column alone, so the bits are the same."""
-    if weight.format == "q4_1_a8":
-        return linear(x, _selected_rows_q4_1(weight, rows))
+    An interleaved weight (q4_1_a8, int8_a8: columns in groups of 16) has its rows gathered
+    into a new one first, kept for the next call with the same rows (a draft vocabulary is
+    asked for at every draft step): its kernel computes every column alone, so the bits are
+    the same."""
+    if weight.format in STORED_AS:
+        return linear(x, _selected_rows(weight, rows))
     return _module().linear_rows(
         x,
         weight.code,
@@ -70,24 +80,34 @@ def linear_rows(
     )
 
 
-def _selected_rows_q4_1(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
+_SELECTED: weakref.WeakKeyDictionary[KernelWeight, tuple[torch.Tensor, KernelWeight]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _selected_rows(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
+    """An interleaved weight's rows ``rows`` as a weight of their own (the last one kept)."""
+    kept = _SELECTED.get(weight)
+    if kept is not None and kept[0].shape == rows.shape and torch.equal(kept[0], rows):
+        return kept[1]
     if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < weight.out_features):
         raise RuntimeError(
             f"rows must lie in [0, {weight.out_features}), got [{int(rows.min())}, "
             f"{int(rows.max())}]"
         )
-    data, scale, minimum = weight.q4_1_blocks()
-    rows = rows.long()
-    selected = KernelWeight(
-        "q4_1",
-        data[rows].contiguous(),
-        rows.numel(),
-        weight.in_features,
-        scale=scale[rows].contiguous(),
-        minimum=minimum[rows].contiguous(),
-        group=Q4_BLOCK,
+    plain = weight.row_major()
+    index = rows.long()
+    minimum = None if plain.minimum is None else plain.minimum[index].contiguous()
+    selected = dataclasses.replace(
+        plain,
+        data=plain.data[index].contiguous(),
+        out_features=rows.numel(),
+        scale=plain.scale[index].contiguous(),
+        minimum=minimum,
     )
-    return interleave_q4_1(selected)
+    selected = activations_int8(selected)
+    _SELECTED[weight] = (rows.clone(), selected)
+    return selected
 
 
 def linear_fallback(
@@ -116,8 +136,9 @@ def linear_a8_fallback(
     y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes what the C++
     kernel computes, in another order. # [M, N] float32"""
     n, blocks = codes.shape[0], codes.shape[1]
-    if weight.stored == "q4_1":
-        _, scale, minimum = weight.q4_1_blocks()
+    weight = weight.row_major()
+    if weight.format == "q4_1":
+        scale, minimum = weight.scale, weight.minimum
     else:
         per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
         scale = weight.scale.repeat_interleave(per_block, 1) if per_block else weight.scale
@@ -138,10 +159,10 @@ def linear_a8_fallback(
 def a8_weight_codes(weight: KernelWeight) -> torch.Tensor:
     """The integer codes of an int8 or Q4_1 weight, as floats. # [N, K / 32, 32] float32"""
     n, k = weight.out_features, weight.in_features
-    if weight.stored == "int8":
+    weight = weight.row_major()
+    if weight.format == "int8":
         return weight.data.float().view(n, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
-    data = weight.q4_1_blocks()[0]
-    return torch.cat(((data & 0x0F).float(), (data >> 4).float()), dim=-1)
+    return torch.cat(((weight.data & 0x0F).float(), (weight.data >> 4).float()), dim=-1)
 
 
 def rms_norm(

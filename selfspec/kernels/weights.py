@@ -13,10 +13,10 @@ Formats (``KernelWeight.format``):
 the activations quantized to int8 per block of 32 at run time (W8A8 / W4A8: integer dot
 products, llama.cpp's arithmetic; ``activations_int8`` makes one from the other). Lossy against
 float activations, and a mode of its own: within it every row is still computed row-invariantly.
-``q4_1_a8`` holds its blocks interleaved by 16 output columns (``interleave_q4_1``): one 64-byte
-load gives 4 codes of each of 16 columns, what one integer dot-product instruction multiplies by
-4 broadcast activation codes, so the per-block scaling is done once per 16 columns (see
-``csrc/body.h``). The same bytes as Q4_1, moved; ``q4_1_blocks`` gives the Q4_1 view back.
+Both hold their codes interleaved by 16 output columns (``interleave``): one 64-byte load
+gives 4 codes of each of 16 columns, what one integer dot-product instruction multiplies by 4
+broadcast activation codes, so the per-block scaling is done once per 16 columns (see
+``csrc/body.h``). The same codes and scales, moved; ``row_major`` gives the plain layout back.
 
 ``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
 ``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
@@ -35,7 +35,7 @@ FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3, "q4_1_a8": 4,
 STORED_AS = {"q4_1_a8": "q4_1", "int8_a8": "int8"}  # int8 activations: the weight stored as
 Q4_BLOCK = 32
 ACTIVATION_BLOCK = 32  # int8 activations: one scale per this many activations of a row
-COLUMN_GROUP = 16  # q4_1_a8: output columns interleaved together
+COLUMN_GROUP = 16  # q4_1_a8 / int8_a8: output columns interleaved together
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,12 +45,12 @@ class KernelWeight:
     format: str
     """One of ``FORMATS``."""
     data: torch.Tensor
-    """float32 / bfloat16 / int8 [N, K]; uint8 [N, K / 32, 16] nibbles for q4_1; for q4_1_a8 the
-    same bytes interleaved, uint8 [ceil(N / 16), K / 32, 4, 64] (``interleave_q4_1``)."""
+    """float32 / bfloat16 / int8 [N, K]; uint8 [N, K / 32, 16] nibbles for q4_1. Interleaved
+    (``interleave``): uint8 [ceil(N / 16), K / 32, 4, 64] (q4_1_a8), int8 [.., 8, 64] (int8_a8)."""
     out_features: int
     in_features: int
     scale: torch.Tensor | None = None
-    """float32 [N, groups] (int8) or [N, K / 32] (q4_1); [K / 32, N] for q4_1_a8."""
+    """float32 [N, groups] (int8) or [N, K / 32] (q4_1); transposed ([groups, N]) if interleaved."""
     minimum: torch.Tensor | None = None
     """float32 [N, K / 32] (q4_1); [K / 32, N] for q4_1_a8."""
     group: int = 0
@@ -67,8 +67,10 @@ class KernelWeight:
             "int8": (torch.int8, (n, k)),
             "q4_1": (torch.uint8, (n, k // Q4_BLOCK, 16)),
         }[stored]
-        if self.format == "q4_1_a8":
-            expected = (torch.uint8, (-(-n // COLUMN_GROUP), k // Q4_BLOCK, 4, 64))
+        if self.format in STORED_AS:
+            _check_int8_activations(self.format, k, self.group)
+            runs = 4 if stored == "q4_1" else 8  # 64-byte runs per group and block
+            expected = (expected[0], (-(-n // COLUMN_GROUP), k // ACTIVATION_BLOCK, runs, 64))
         if self.data.dtype != expected[0] or tuple(self.data.shape) != expected[1]:
             raise ValueError(
                 f"{self.format} weight data must be {expected[0]} {list(expected[1])}, got "
@@ -76,24 +78,14 @@ class KernelWeight:
             )
         if stored == "q4_1" and k % Q4_BLOCK:
             raise ValueError(f"q4_1 needs in_features divisible by 32, got {k}")
-        if stored != self.format:
-            if k % ACTIVATION_BLOCK:
-                raise ValueError(
-                    f"{self.format}: int8 activations need in_features divisible by "
-                    f"{ACTIVATION_BLOCK}, got {k}"
-                )
-            if stored == "int8" and self.group < k and self.group % ACTIVATION_BLOCK:
-                raise ValueError(
-                    f"int8_a8 needs weight groups of a multiple of {ACTIVATION_BLOCK} (or the "
-                    f"whole row), got {self.group}"
-                )
         if stored == "int8":
             if not (self.group >= k or (self.group >= 16 and self.group & (self.group - 1) == 0)):
                 raise ValueError(
                     f"int8 group must be in_features or a power of two >= 16, got {self.group}"
                 )
             groups = 1 if self.group >= k else -(-k // self.group)
-            _check_table(self.scale, (n, groups), "int8 scale")
+            table = (groups, n) if self.format == "int8_a8" else (n, groups)
+            _check_table(self.scale, table, f"{self.format} scale")
         if stored == "q4_1":
             if self.group != Q4_BLOCK:
                 raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
@@ -123,62 +115,84 @@ class KernelWeight:
         """The weight as the kernels see it, dense. # [N, K] float32 (bfloat16 stays bfloat16)"""
         if self.format in ("float32", "bfloat16"):
             return self.data
-        if self.stored == "int8":
-            scale = self.scale.repeat_interleave(self.group, dim=1)[:, : self.in_features]
-            return self.data.float() * scale
-        data, scale, minimum = self.q4_1_blocks()
-        low = (data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
-        high = (data >> 4).float()  # elements 16-31
+        plain = self.row_major()
+        if plain.format == "int8":
+            scale = plain.scale.repeat_interleave(plain.group, dim=1)[:, : plain.in_features]
+            return plain.data.float() * scale
+        low = (plain.data & 0x0F).float()  # [N, blocks, 16]: elements 0-15 of each block
+        high = (plain.data >> 4).float()  # elements 16-31
         codes = torch.cat((low, high), dim=-1)  # [N, blocks, 32]
-        dense = (codes * scale[..., None]) + minimum[..., None]
-        return dense.reshape(self.out_features, self.in_features)
+        dense = (codes * plain.scale[..., None]) + plain.minimum[..., None]
+        return dense.reshape(plain.out_features, plain.in_features)
 
-    def q4_1_blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A q4_1 or q4_1_a8 weight's Q4_1 blocks: nibbles uint8 [N, K / 32, 16], scale and
-        minimum float32 [N, K / 32] (q4_1_a8's interleaving undone)."""
-        if self.stored != "q4_1":
-            raise ValueError(f"{self.format} weights have no Q4_1 blocks")
-        if self.format == "q4_1":
-            return self.data, self.scale, self.minimum
-        n, blocks = self.out_features, self.in_features // Q4_BLOCK
-        # [G, blocks, 4, 16 columns, 4 bytes] -> [G, 16, blocks, 4, 4] -> [N, blocks, 16]
-        data = self.data.view(-1, blocks, 4, COLUMN_GROUP, 4).permute(0, 3, 1, 2, 4)
-        data = data.reshape(-1, blocks, 16)[:n]
-        return data, self.scale.t(), self.minimum.t()
+    def row_major(self) -> KernelWeight:
+        """The weight in its stored format's plain layout (an interleaved one's undone; the
+        others as they are)."""
+        if self.format not in STORED_AS:
+            return self
+        n, blocks = self.out_features, self.in_features // ACTIVATION_BLOCK
+        runs = 4 if self.stored == "q4_1" else 8
+        # [G, blocks, runs, 16 columns, 4 bytes] -> [G, 16, blocks, runs, 4] -> [N, ...]
+        data = self.data.view(-1, blocks, runs, COLUMN_GROUP, 4).permute(0, 3, 1, 2, 4)
+        data = data.reshape(-1, blocks, runs * 4)[:n]
+        if self.stored == "int8":
+            data = data.reshape(n, self.in_features)
+        minimum = None if self.minimum is None else self.minimum.t().contiguous()
+        return dataclasses.replace(
+            self,
+            format=self.stored,
+            data=data.contiguous(),
+            scale=self.scale.t().contiguous(),
+            minimum=minimum,
+        )
 
 
 def activations_int8(weight: KernelWeight) -> KernelWeight:
     """The same stored weight computing with int8 activations (``int8`` -> ``int8_a8``,
-    ``q4_1`` -> ``q4_1_a8``); a weight already so is returned as it is."""
+    ``q4_1`` -> ``q4_1_a8``), interleaved; a weight already so is returned as it is."""
     if weight.format in STORED_AS:
         return weight
-    if weight.format == "q4_1":
-        return interleave_q4_1(weight)
-    if weight.format != "int8":
+    if weight.format not in ("int8", "q4_1"):
         raise ValueError(f"int8 activations need int8 or q4_1 weights, got {weight.format}")
-    return dataclasses.replace(weight, format="int8_a8")
+    _check_int8_activations(weight.format + "_a8", weight.in_features, weight.group)
+    if weight.format == "int8" and bool((weight.data == -128).any()):
+        # AVX2 multiplies magnitudes by signs: -128 has no positive counterpart in int8.
+        raise ValueError("int8_a8 needs int8 codes in [-127, 127]; this weight has -128")
+    return interleave(weight)
 
 
-def interleave_q4_1(weight: KernelWeight) -> KernelWeight:
-    """A q4_1 weight as q4_1_a8: for each group of 16 output columns and each block, the 16
-    nibble bytes of every column cut into 4 runs of 4 bytes, run t of columns 0-15 side by side
-    (64 bytes: the low nibbles are elements 4t..4t+3 of each column, the high ones 16+4t..);
-    scale and minimum transposed to [K / 32, N]. The last group is padded with zero columns."""
-    n, blocks = weight.out_features, weight.in_features // Q4_BLOCK
+def interleave(weight: KernelWeight) -> KernelWeight:
+    """A q4_1 or int8 weight as q4_1_a8 / int8_a8: for each group of 16 output columns and each
+    block of 32 codes, the codes cut into runs of 4 elements (Q4_1: 4 bytes = 4 elements in the
+    low nibbles, 4 more in the high ones), run t of columns 0-15 side by side in 64 bytes; scale
+    and minimum transposed to [groups, N]. The last group is padded with zero columns."""
+    n, blocks = weight.out_features, weight.in_features // ACTIVATION_BLOCK
     groups = -(-n // COLUMN_GROUP)
-    data = torch.zeros(groups * COLUMN_GROUP, blocks, 16, dtype=torch.uint8)
-    data[:n] = weight.data
-    # [G, 16 columns, blocks, 4 runs, 4 bytes] -> [G, blocks, 4, 16, 4]
-    data = data.view(groups, COLUMN_GROUP, blocks, 4, 4).permute(0, 2, 3, 1, 4)
-    return KernelWeight(
-        "q4_1_a8",
-        data.reshape(groups, blocks, 4, 64).contiguous(),
-        n,
-        weight.in_features,
+    runs = 4 if weight.format == "q4_1" else 8
+    data = torch.zeros(groups * COLUMN_GROUP, blocks * runs * 4, dtype=weight.data.dtype)
+    data[:n] = weight.data.reshape(n, blocks * runs * 4)
+    # [G, 16 columns, blocks, runs, 4 bytes] -> [G, blocks, runs, 16, 4]
+    data = data.view(groups, COLUMN_GROUP, blocks, runs, 4).permute(0, 2, 3, 1, 4)
+    minimum = None if weight.minimum is None else weight.minimum.t().contiguous()
+    return dataclasses.replace(
+        weight,
+        format=weight.format + "_a8",
+        data=data.reshape(groups, blocks, runs, 64).contiguous(),
         scale=weight.scale.t().contiguous(),
-        minimum=weight.minimum.t().contiguous(),
-        group=Q4_BLOCK,
+        minimum=minimum,
     )
+
+
+def _check_int8_activations(format: str, k: int, group: int) -> None:
+    if k % ACTIVATION_BLOCK:
+        raise ValueError(
+            f"{format}: int8 activations need in_features divisible by {ACTIVATION_BLOCK}, got {k}"
+        )
+    if format == "int8_a8" and group < k and group % ACTIVATION_BLOCK:
+        raise ValueError(
+            f"int8_a8 needs weight groups of a multiple of {ACTIVATION_BLOCK} (or the whole "
+            f"row), got {group}"
+        )
 
 
 def _check_table(table: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:

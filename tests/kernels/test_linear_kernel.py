@@ -170,11 +170,39 @@ def test_kernel_linear_module_keeps_training_and_peft_paths(kernel_path: str) ->
         (lambda: activations_int8(quantize_int8(torch.zeros(4, 48))), "divisible by 32"),
         (lambda: activations_int8(quantize_int8(torch.zeros(4, 64), 16)), "multiple of 32"),
         (lambda: activations_int8(dense_weight(torch.zeros(2, 32))), "int8 or q4_1 weights"),
+        (lambda: activations_int8(_int8_with(-128)), r"\[-127, 127\]"),
     ],
 )
 def test_bad_weights_are_clear_errors(make, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def _int8_with(code: int) -> KernelWeight:
+    weight = quantize_int8(torch.randn(3, 64))
+    weight.data[1, 5] = code
+    return weight
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8_g32", "q4_1"])
+def test_int8_activations_interleave_the_same_codes_and_scales(fmt: str) -> None:
+    """The *_A8 formats hold the stored format's codes interleaved by 16 columns (N not a
+    multiple of 16: the last group padded); ``row_major`` gives them back unchanged."""
+    plain = make_weight(fmt, 37, 64)
+    interleaved = activations_int8(plain)
+    assert interleaved.format == plain.format + "_a8"
+    assert interleaved.data.shape[0] == 3  # ceil(37 / 16) groups
+    back = interleaved.row_major()
+    assert back.format == plain.format
+    for field in ("data", "scale", "minimum"):
+        if getattr(plain, field) is None:
+            assert getattr(back, field) is None
+        else:
+            assert torch.equal(getattr(back, field), getattr(plain, field))
+    assert torch.equal(interleaved.dequantized(), plain.dequantized())
+    # Column c of group g: run t holds its elements 4t..4t+3 (int8) at bytes 4c..4c+3.
+    if plain.format == "int8":
+        assert torch.equal(interleaved.data[1, 0, 2, 4 * 5 : 4 * 5 + 4], plain.data[16 + 5, 8:12])
 
 
 @pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")

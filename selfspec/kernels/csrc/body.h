@@ -235,194 +235,134 @@ static void linear_columns_tiled(const LinearParams& p, int64_t n_begin, int64_t
 // block (llama.cpp's arithmetic for Q4_1 x Q8_1 and Q8_0 x Q8_0, in our own fixed order).
 //
 // Row m's block b: d = max|x| / 127, codes c = round(x * (1 / d)) (ties to even; d = 0: all 0).
+// The weights are interleaved by 16 output columns (weights.py): one lane per output column.
 // With weight codes q, block scale s (and Q4_1's minimum mn), I_b the exact integer sum of q * c
-// over the block and S_b = d_b * sum(c over block b):
-//   Int8_A8: y[m, n] = vhsum(A), A: lane l of 16, over block pairs in ascending order:
-//            A = fma(float(I_l), s_pair * d_pair, A), I_l the integer sum over lane l's 4 bytes
-//            (pair order, vec_*.h)
-//   Q4_1_A8: one lane per output column (16 columns interleaved), blocks ascending:
-//            y = fma(float(I_b), s_b * d_b, y); y = fma(mn_b, S_b, y)
-// Integers are exact and every float step is fixed by the row's own values, so a row's result
-// never depends on the other rows of the call (row invariance), and both ISA paths give the same
-// bits.
+// over the block and S_b = d_b * sum(c over block b), blocks ascending:
+//   y = fma(float(I_b), s_b * d_b, y)    and, for Q4_1:   y = fma(mn_b, S_b, y)
+// Integers are exact and every float step is lane-wise and fixed by the row's and the column's
+// own values, so a row's result never depends on the other rows of the call (row invariance),
+// and both ISA paths give the same bits.
 
-// Rows [begin, end) of x quantized into p.xq / x_lanes / x_sums / x_corr (const there: the
-// dispatcher owns the buffers and hands them in writable).
-void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+// Rows [begin, end) of x quantized into p.xq (pair order, vec_*.h) / scales / sums / corr
+// (const there: the dispatcher owns the buffers and hands them in writable).
+void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end) {
   const int64_t K = p.K, blocks = K / 32, pairs = p.pairs;
   for (int64_t m = begin; m < end; ++m) {
     const float* x = p.x + m * K;
     for (int64_t pair = 0; pair < pairs; ++pair) {
       int8_t* q = xq + (m * pairs + pair) * 64;
-      float d[2] = {0.0f, 0.0f};
       for (int64_t half = 0; half < 2; ++half) {
         const int64_t b = 2 * pair + half;
         int8_t* first = q + 16 * half;  // elements 0-15 of block b; 16-31 are 32 bytes on
-        if (b >= blocks) {  // the last pair's missing block: zero codes, zero scale
+        if (b >= blocks) {  // the last pair's missing block
           for (int i = 0; i < 16; ++i) first[i] = first[32 + i] = 0;
           continue;
         }
         const V lo = vload(x + 32 * b), hi = vload(x + 32 * b + 16);
-        const float amax = vhmax(vmax(vabs(lo), vabs(hi)));
-        d[half] = amax / 127.0f;
-        const V inverse = vset1(d[half] != 0.0f ? 1.0f / d[half] : 0.0f);
+        const float d = vhmax(vmax(vabs(lo), vabs(hi))) / 127.0f;
+        const V inverse = vset1(d != 0.0f ? 1.0f / d : 0.0f);
         const V code_lo = vround(vmul(lo, inverse)), code_hi = vround(vmul(hi, inverse));
         vstore_i8(first, code_lo);
         vstore_i8(first + 32, code_hi);
         // Integers below 2^24: the float sum is exact in any order.
-        sums[m * blocks + b] = d[half] * vhsum(vadd(code_lo, code_hi));
+        const float total = vhsum(vadd(code_lo, code_hi));
+        scales[m * blocks + b] = d;
+        sums[m * blocks + b] = d * total;
+        corr[m * blocks + b] = -128 * static_cast<int32_t>(total);
       }
-      vstore(lanes + (m * pairs + pair) * 16, vpair(d[0], d[1]));
-      qcorrection(q, corr + (m * pairs + pair) * 16);
     }
   }
 }
 
-// The scale of weight row `row`'s block b (0 past the last block).
+// Bytes of one interleaved group's block: 32 codes of 16 columns.
 template <int64_t FORMAT>
-SS_INLINE float block_scale(const LinearParams& p, const RowRef& row, int64_t b, int64_t blocks) {
-  if (b >= blocks) return 0.0f;
-  return row.scale[p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift];
-}
+constexpr int64_t kGroupBlockBytes = FORMAT == kQ4_1_A8 ? 256 : 512;
 
-// out[r][c] for R rows (the x codes of rows `m`..) and kQTileCols columns `refs`.
+// Rows m.. (R of them) of the 16 columns of interleaved group g, into out[r].
 template <int R, int64_t FORMAT>
-SS_INLINE void qdot_tile(const LinearParams& p, int64_t m, const RowRef* refs,
-                         float (*out)[kQTileCols]) {
-  constexpr int C = kQTileCols;
-  const int64_t pairs = p.pairs, blocks = p.K / 32;
-  V acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const bool two = 2 * pair + 1 < blocks;
-    Q w[C];
-    V scale[C];
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) {
-      w[c] = qweights_i8(reinterpret_cast<const int8_t*>(refs[c].data) + pair * 64, two);
-      scale[c] = vpair(block_scale<FORMAT>(p, refs[c], 2 * pair, blocks),
-                       block_scale<FORMAT>(p, refs[c], 2 * pair + 1, blocks));
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (m + r) * pairs + pair;
-      const Q x = qload(p.xq + at * 64);
-      const V d = vload(p.x_lanes + at * 16);
-#pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) {
-        acc[r][c] = vfma(qdot_i8(w[c], x, p.x_corr + at * 16), vmul(scale[c], d), acc[r][c]);
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int c = 0; c < C; ++c) out[r][c] = vhsum(acc[r][c]);
-  }
-}
-
-template <int R, int64_t FORMAT>
-SS_INLINE void qdot_rows(int rows, const LinearParams& p, int64_t m, const RowRef* refs,
-                         float (*out)[kQTileCols]) {
-  if (rows == R) {
-    qdot_tile<R, FORMAT>(p, m, refs, out);
-  } else if constexpr (R > 1) {
-    qdot_rows<R - 1, FORMAT>(rows, p, m, refs, out);
-  }
-}
-
-template <int64_t FORMAT>
-static void linear_columns_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
-  const int64_t M = p.M, N = p.N;
-  for (int64_t n = n_begin; n < n_end; n += kQTileCols) {
-    const int columns = static_cast<int>(min64(kQTileCols, n_end - n));
-    RowRef refs[kQTileCols];
-    for (int c = 0; c < kQTileCols; ++c) {
-      refs[c] = row_ref(p, n + (c < columns ? c : columns - 1));
-      // The next tiles' weight rows, on their way while this one computes.
-      const char* next = row_start(p, min64(n + c + 8 * kQTileCols, N - 1));
-      for (int64_t line = 0; line < row_bytes(p); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-    }
-    for (int64_t m = 0; m < M; m += kQTileRows) {
-      const int rows = static_cast<int>(min64(kQTileRows, M - m));
-      float out[kQTileRows][kQTileCols];
-      qdot_rows<kQTileRows, FORMAT>(rows, p, m, refs, out);
-      for (int r = 0; r < rows; ++r) {
-        float* y = p.y + (m + r) * N + n;
-        for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n + c] : out[r][c];
-      }
-    }
-  }
-}
-
-// Q4_1_A8: rows m.. (R of them) of the 16 columns of interleaved group g, into out[r].
-template <int R>
-SS_INLINE void q4_group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
+SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
+  constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
   const int64_t blocks = p.K / 32, pairs = p.pairs, N = p.N, n0 = 16 * g;
   const int live = static_cast<int>(min64(16, N - n0));
-  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * 256;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   V acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    Q lo[4], hi[4];
+    // codes[t]: elements 4t..4t+3 of the block for t < 4, 16+4(t-4).. for t >= 4, 16 columns.
+    Q codes[8];
+    if constexpr (FORMAT == kQ4_1_A8) {
 #pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) qnibbles(w + b * 256 + 64 * t, lo[t], hi[t]);
-    const float* scale = p.scale + b * N + n0;
-    const float* minimum = p.minimum + b * N + n0;
+      for (int t = 0; t < 4; ++t) qnibbles(w + b * bytes + 64 * t, codes[t], codes[4 + t]);
+    } else {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) codes[t] = qcodes_i8(w + b * bytes + 64 * t);
+    }
+    // The scale row of block b ([K / group, N]; per-channel int8: one row).
+    const int64_t scale_row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
+    const float* scale = p.scale + scale_row * N + n0;
+    const float* minimum = FORMAT == kQ4_1_A8 ? p.minimum + b * N + n0 : nullptr;
     // Four groups ahead, on their way: the codes (one stream) and the scales and minimums (a
     // line per block each, N floats apart).
-    const uint8_t* ahead = w + (4 * blocks + b) * 256;
-#pragma GCC unroll 4
-    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * line), _MM_HINT_T0);
+    const uint8_t* ahead = w + (4 * blocks + b) * bytes;
+#pragma GCC unroll 8
+    for (int64_t line = 0; line < bytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
     _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
     const V s = live == 16 ? vload(scale) : vload_n(scale, live);
-    const V mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+    V mn = vzero();
+    if constexpr (FORMAT == kQ4_1_A8) {
+      _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
+      mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+    }
     const int64_t pair = b >> 1, half = b & 1;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int64_t at = (m + r) * pairs + pair;
-      const int8_t* x = p.xq + at * 64 + 16 * half;  // elements 0-15; 16-31 are 32 bytes on
-      Q sum = qzero();
+      const int64_t row_block = (m + r) * blocks + b;
+      const int8_t* x = p.xq + ((m + r) * pairs + pair) * 64 + 16 * half;  // 16-31: 32 bytes on
+      Q sum;
+      if constexpr (FORMAT == kQ4_1_A8) sum = qzero();
+      else sum = qinit_i8(p.x_corr[row_block]);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         int32_t x_lo, x_hi;
         __builtin_memcpy(&x_lo, x + 4 * t, 4);
         __builtin_memcpy(&x_hi, x + 32 + 4 * t, 4);
-        sum = qdot_bcast(qdot_bcast(sum, lo[t], x_lo), hi[t], x_hi);
+        if constexpr (FORMAT == kQ4_1_A8) {
+          sum = qdot_bcast(qdot_bcast(sum, codes[t], x_lo), codes[4 + t], x_hi);
+        } else {
+          sum = qdot_bcast_i8(qdot_bcast_i8(sum, codes[t], x_lo), codes[4 + t], x_hi);
+        }
       }
-      const float d = p.x_lanes[at * 16 + 4 * half];  // vpair's lane of block `half`
-      acc[r] = vfma(qfloat(sum), vmul(s, vset1(d)), acc[r]);
-      acc[r] = vfma(mn, vset1(p.x_sums[(m + r) * blocks + b]), acc[r]);
+      acc[r] = vfma(qfloat(sum), vmul(s, vset1(p.x_scales[row_block])), acc[r]);
+      if constexpr (FORMAT == kQ4_1_A8) acc[r] = vfma(mn, vset1(p.x_sums[row_block]), acc[r]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
-template <int R>
-SS_INLINE void q4_group_rows(int rows, const LinearParams& p, int64_t m, int64_t g, V* out) {
+template <int R, int64_t FORMAT>
+SS_INLINE void group_rows(int rows, const LinearParams& p, int64_t m, int64_t g, V* out) {
   if (rows == R) {
-    q4_group_tile<R>(p, m, g, out);
+    group_tile<R, FORMAT>(p, m, g, out);
   } else if constexpr (R > 1) {
-    q4_group_rows<R - 1>(rows, p, m, g, out);
+    group_rows<R - 1, FORMAT>(rows, p, m, g, out);
   }
 }
 
-// Q4_1_A8 columns [n_begin, n_end), n_begin a multiple of 16: whole groups, every row.
-static void linear_groups_q4_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+// The *_A8 formats' columns [n_begin, n_end), n_begin a multiple of 16: whole groups, every row.
+template <int64_t FORMAT>
+static void linear_groups_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
   const int64_t M = p.M, N = p.N;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int columns = static_cast<int>(min64(16, n_end - n0));
     for (int64_t m = 0; m < M; m += kQGroupRows) {
       const int rows = static_cast<int>(min64(kQGroupRows, M - m));
       V out[kQGroupRows];
-      q4_group_rows<kQGroupRows>(rows, p, m, n0 / 16, out);
+      group_rows<kQGroupRows, FORMAT>(rows, p, m, n0 / 16, out);
       for (int r = 0; r < rows; ++r) {
         alignas(64) float lanes[16];
         vstore(lanes, out[r]);
@@ -448,8 +388,8 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
 
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
   switch (p.format) {
-    case kQ4_1_A8: linear_groups_q4_a8(p, n_begin, n_end); return;
-    case kInt8_A8: linear_columns_a8<kInt8_A8>(p, n_begin, n_end); return;
+    case kQ4_1_A8: linear_groups_a8<kQ4_1_A8>(p, n_begin, n_end); return;
+    case kInt8_A8: linear_groups_a8<kInt8_A8>(p, n_begin, n_end); return;
     case kFloat32: linear_columns_as<kFloat32>(p, n_begin, n_end, scratch); break;
     case kBFloat16: linear_columns_as<kBFloat16>(p, n_begin, n_end, scratch); break;
     case kInt8: linear_columns_as<kInt8>(p, n_begin, n_end, scratch); break;

@@ -14,14 +14,14 @@ namespace avx512 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
-void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end);
 }  // namespace avx512
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
-void quantize_rows(const LinearParams& p, int8_t* xq, float* lanes, float* sums, int32_t* corr,
+void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end);
 }  // namespace avx2
 
@@ -96,6 +96,23 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       K = weight.size(1);
       break;
     case kInt8: {
+      if (format == kInt8_A8) {  // interleaved by 16 columns: [G, K / 32, 8, 64]
+        TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 4 && weight.size(2) == 8 &&
+                        weight.size(3) == 64,
+                    "int8_a8 weight must be int8 [ceil(N / 16), K / 32, 8, 64]");
+        K = weight.size(1) * 32;
+        TORCH_CHECK(group >= K || (group >= 32 && (group & (group - 1)) == 0),
+                    "int8_a8 group must be K or a power of two >= 32, got ", group);
+        TORCH_CHECK(scale.has_value(), "int8_a8 weight needs a scale");
+        check_cpu(*scale, "scale");
+        const int64_t groups = group >= K ? 1 : K / group;
+        TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->dim() == 2 && scale->size(0) == groups,
+                    "int8_a8 scale must be float32 [", groups, ", N]");
+        N = scale->size(1);
+        TORCH_CHECK(weight.size(0) == (N + 15) / 16, "int8_a8 weight [", weight.size(0),
+                    ", ...] does not fit its scale [", groups, ", ", N, "]");
+        break;
+      }
       TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2, "int8 weight must be [N, K] int8");
       K = weight.size(1);
       TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
@@ -163,8 +180,8 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     check_cpu(*rows, "rows");
     TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
     TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
-    TORCH_CHECK(w.format != kQ4_1_A8, "a row-selected linear does not take q4_1_a8 weights (columns "
-                "interleaved by 16); use q4_1, int8 or int8_a8");
+    TORCH_CHECK(!int8_activations(w.format), "a row-selected linear does not take q4_1_a8 or int8_a8 "
+                "weights (columns interleaved by 16): select their rows first (ops.linear_rows)");
     N = rows->numel();
     if (N > 0) {
       const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
@@ -193,29 +210,29 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   p.y = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;
   bool wide = resolve_isa(isa) == "avx512";
-  torch::Tensor codes, lanes, sums, corr;  // the *_A8 formats' quantized activations
+  torch::Tensor codes, scales, sums, corr;  // the *_A8 formats' quantized activations
   if (int8_activations(p.format)) {
     // The AVX-512 integer path needs VNNI; without it the AVX2 path (the same bits) runs.
     wide = wide && cpu_has("avx512vnni");
     p.pairs = (K + 63) / 64;
     codes = torch::empty({M, p.pairs * 64}, x.options().dtype(torch::kInt8));
-    lanes = torch::empty({M, p.pairs * 16}, x.options());
+    scales = torch::empty({M, K / 32}, x.options());
     sums = torch::empty({M, K / 32}, x.options());
-    corr = torch::empty({M, p.pairs * 16}, x.options().dtype(torch::kInt32));
+    corr = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
     int8_t* c = codes.data_ptr<int8_t>();
-    float *l = lanes.data_ptr<float>(), *s = sums.data_ptr<float>();
+    float *l = scales.data_ptr<float>(), *s = sums.data_ptr<float>();
     int32_t* r = corr.data_ptr<int32_t>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
       if (wide) avx512::quantize_rows(p, c, l, s, r, begin, end);
       else avx2::quantize_rows(p, c, l, s, r, begin, end);
     });
     p.xq = c;
-    p.x_lanes = l;
+    p.x_scales = l;
     p.x_sums = s;
     p.x_corr = r;
   }
-  // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for q4_1_a8's groups.
-  const int64_t width = p.format == kQ4_1_A8 ? 16 : 4;
+  // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for the *_A8 groups.
+  const int64_t width = int8_activations(p.format) ? 16 : 4;
   const int64_t tiles = (N + width - 1) / width;
   // Enough work per task that a small layer stays on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, width * K * M));

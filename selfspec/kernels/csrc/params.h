@@ -23,10 +23,12 @@ enum WeightFormat : int64_t {
   kQ4_1_A8 = 4,   // kQ4_1's bytes interleaved by 16 columns: w uint8 [ceil(N / 16), K / 32, 4, 64]
                   //    (per group and block, run t: bytes 4t..4t+3 of columns 0-15); scale, min:
                   //    float [K / 32, N]
-  kInt8_A8 = 5,   // stored as kInt8, group a multiple of 32 (or K)
+  kInt8_A8 = 5,   // kInt8's codes interleaved by 16 columns: w int8 [ceil(N / 16), K / 32, 8, 64]
+                  //    (per group and block, run t: elements 4t..4t+3 of columns 0-15); scale:
+                  //    float [K / group, N] (group a multiple of 32, or K: one row)
 };
 
-// How a format's weight is stored.
+// How a format's weight is stored (the *_A8 formats: interleaved, see above).
 SS_INLINE int64_t stored_format(int64_t format) {
   return format == kQ4_1_A8 ? kQ4_1 : format == kInt8_A8 ? kInt8 : format;
 }
@@ -44,13 +46,12 @@ struct LinearParams {
   int64_t group;         // elements per scale along K (int8: K for per-channel, or e.g. 32)
   int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
   const int64_t* rows;   // [N] the weight row output column n reads, or null (row n)
-  // The *_A8 formats: x quantized per block of 32 (quantize_rows, before the columns run), in
-  // pairs of blocks laid out as the integer dot products read them (body.h).
-  int64_t pairs;         // (K + 63) / 64
-  const int8_t* xq;      // [M, pairs, 64] codes
-  const float* x_lanes;  // [M, pairs, 16] the block scale of each int32 lane of a pair
-  const float* x_sums;   // [M, K / 32] block scale * sum of the block's codes
-  const int32_t* x_corr; // [M, pairs, 16] -128 * the sum of each lane's 4 codes (AVX-512 int8)
+  // The *_A8 formats: x quantized per block of 32 (quantize_rows, before the columns run).
+  int64_t pairs;          // (K + 63) / 64
+  const int8_t* xq;       // [M, pairs, 64] codes, in pairs of blocks (pair order, vec_*.h)
+  const float* x_scales;  // [M, K / 32] each block's scale d
+  const float* x_sums;    // [M, K / 32] d * the sum of the block's codes
+  const int32_t* x_corr;  // [M, K / 32] -128 * the sum of the block's codes (AVX-512 int8)
 };
 
 struct AttentionParams {

@@ -98,40 +98,14 @@ SS_INLINE __m256 exp_half(__m256 x) {
 SS_INLINE V vexp_nonpositive(V x) { return {exp_half(x.lo), exp_half(x.hi)}; }
 
 // ---------------------------------------------------------------------------------------------
-// Integer dot products for the *_A8 formats: vec_avx512.h's pair order on two registers (bytes
-// 0-31, 32-63). maddubs (u8 x s8 -> pairs summed to int16, never saturating here: at most
-// 2 * 127 * 127) then madd with ones (-> int32 sums of 4 bytes): the same integers as VNNI.
+// Integer dot products for the *_A8 formats: vec_avx512.h's 16 int32 lanes (one per column) on
+// two registers (columns 0-7, 8-15), its dot product as maddubs (u8 x s8 -> pairs summed to
+// int16, never saturating here: at most 2 * 127 * 127) then madd with ones (-> int32 sums of 4
+// bytes): the same integers as VNNI.
 
 struct Q {
   __m256i lo, hi;
 };
-
-SS_INLINE Q qload(const int8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-
-// Signed codes in pair order (qdot_i8 multiplies by their magnitudes and signs).
-SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
-  const __m128i* b = reinterpret_cast<const __m128i*>(p);
-  const __m128i zero = _mm_setzero_si128();
-  const __m128i b2 = two ? _mm_loadu_si128(b + 2) : zero, b3 = two ? _mm_loadu_si128(b + 3) : zero;
-  return {_mm256_setr_m128i(_mm_loadu_si128(b), b2), _mm256_setr_m128i(_mm_loadu_si128(b + 1), b3)};
-}
-
-SS_INLINE __m256 qdot_half(__m256i u, __m256i s) {
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-// |w| * (x with w's sign): exactly sum q * x; `corr` is the VNNI path's and unused here.
-SS_INLINE V qdot_i8(Q w, Q x, const int32_t*) {
-  return {qdot_half(_mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(x.lo, w.lo)),
-          qdot_half(_mm256_sign_epi8(w.hi, w.hi), _mm256_sign_epi8(x.hi, w.hi))};
-}
-
-SS_INLINE V vpair(float d0, float d1) {
-  const __m256 ab = _mm256_setr_m128(_mm_set1_ps(d0), _mm_set1_ps(d1));
-  return {ab, ab};
-}
 
 // q4_1_a8's interleaved groups: vec_avx512.h's codes on two registers (columns 0-7, 8-15), and
 // its integer dot product as maddubs (u8 codes 0-15 x s8: pair sums at most 2 * 15 * 127, never
@@ -150,6 +124,18 @@ SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), ones))};
 }
 SS_INLINE V qfloat(Q a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+// int8_a8: the signed codes as they are; no offset to take out (qdot_bcast_i8 multiplies the
+// activation codes' magnitudes by the weights carrying the activations' signs).
+SS_INLINE Q qcodes_i8(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+SS_INLINE Q qinit_i8(int32_t) { return qzero(); }
+SS_INLINE Q qdot_bcast_i8(Q acc, Q w, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4), magnitude = _mm256_abs_epi8(x), ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w.lo, x)), ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w.hi, x)), ones))};
+}
 
 SS_INLINE V vabs(V a) {
   const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -168,9 +154,6 @@ SS_INLINE V vround(V a) {
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
 
-// The VNNI path's offset correction: qdot_i8 here needs none.
-SS_INLINE void qcorrection(const int8_t*, int32_t*) {}
-
 SS_INLINE void vstore_i8(int8_t* p, V a) {
   const __m256i lo = _mm256_cvtps_epi32(a.lo), hi = _mm256_cvtps_epi32(a.hi);
   const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // in order
@@ -186,8 +169,5 @@ constexpr int kTileCols = 2;
 // A taller one for 4-6 rows of quantized weights: 6 two-register accumulators, one column.
 constexpr int kTallRows = 6;
 constexpr int kTallCols = 1;
-// The *_A8 formats' integer path: 2 x 2 two-register accumulators, weights and activations.
-constexpr int kQTileRows = 2;
-constexpr int kQTileCols = 2;
-// q4_1_a8's 16-column groups (the codes are read again for each row: too few registers).
+// The *_A8 formats' 16-column groups (the codes spill: too few registers).
 constexpr int kQGroupRows = 4;

@@ -104,41 +104,18 @@ SS_INLINE V vexp_nonpositive(V x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer dot products for the *_A8 formats (body.h), on AVX-512 VNNI. A pair of 32-element
-// blocks is 64 bytes in "pair order": block 0 elements 0-15, block 1 elements 0-15, block 0
-// elements 16-31, block 1 elements 16-31 (a Q4_1 byte's low and high nibbles land 32 bytes
-// apart). Int32 lane l of a dot product sums bytes 4l..4l+3: lanes 0-3 and 8-11 block 0, 4-7
-// and 12-15 block 1; vec_avx2.h computes the same integers.
+// Integer dot products for the *_A8 formats (body.h), on AVX-512 VNNI: 16 int32 lanes, one per
+// output column of an interleaved group, each summing its column's 4 codes times 4 broadcast
+// activation codes. Activation codes are stored per block pair in "pair order": block 0 elements
+// 0-15, block 1 elements 0-15, block 0 elements 16-31, block 1 elements 16-31 (a Q4_1 byte's
+// low and high nibbles are elements 16 apart). vec_avx2.h computes the same integers.
 
 struct Q {
   __m512i v;
 };
 
-SS_INLINE Q qload(const int8_t* p) { return {_mm512_loadu_si512(p)}; }
-
-// An int8 block pair's codes in pair order, offset by 128 (unsigned, as VNNI's first operand
-// must be; qdot_i8 takes the offset back out), from its 64 bytes (`two` false: 32).
-SS_INLINE Q qweights_i8(const int8_t* p, bool two) {
-  const __m512i b = two ? _mm512_loadu_si512(p)
-                        : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i ordered = _mm512_shuffle_i64x2(b, b, 0xD8);  // 128-bit lanes 0, 2, 1, 3
-  return {_mm512_xor_si512(ordered, _mm512_set1_epi8(static_cast<char>(0x80)))};
-}
-
-// `corr` (the row's -128 * lane sums of x) removes qweights_i8's offset: exactly sum q * x.
-SS_INLINE V qdot_i8(Q w, Q x, const int32_t* corr) {
-  return {_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_loadu_si512(corr), w.v, x.v))};
-}
-
-// Lanes [d0 x4, d1 x4, d0 x4, d1 x4]: a block pair's scales where qdot's lanes are.
-SS_INLINE V vpair(float d0, float d1) {
-  const __m128 a = _mm_set1_ps(d0), b = _mm_set1_ps(d1);
-  const __m256 ab = _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
-  return {_mm512_insertf32x8(_mm512_castps256_ps512(ab), ab, 1)};
-}
-
-// q4_1_a8's interleaved groups (body.h): 64 bytes (4 consecutive elements of each of 16 columns
-// in the low nibbles, 4 more in the high ones) -> the low and the high codes, 0-15 as u8.
+// q4_1_a8: 64 interleaved bytes (4 consecutive elements of each of 16 columns in the low
+// nibbles, the 4 elements 16 further on in the high ones) -> the low and the high codes (u8).
 SS_INLINE void qnibbles(const uint8_t* p, Q& lo, Q& hi) {
   const __m512i b = _mm512_loadu_si512(p), mask = _mm512_set1_epi8(0x0F);
   lo = {_mm512_and_si512(b, mask)};
@@ -149,6 +126,15 @@ SS_INLINE Q qzero() { return {_mm512_setzero_si512()}; }
 SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
 }
+// int8_a8: 64 interleaved code bytes offset by 128 (VNNI's first operand is unsigned), ...
+SS_INLINE Q qcodes_i8(const uint8_t* p) {
+  return {_mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)))};
+}
+// ... the offset taken back out by starting a block's sums at `corr` = -128 * the sum of the
+// block's activation codes, ...
+SS_INLINE Q qinit_i8(int32_t corr) { return {_mm512_set1_epi32(corr)}; }
+// ... and the same dot product.
+SS_INLINE Q qdot_bcast_i8(Q acc, Q w, int32_t x4) { return qdot_bcast(acc, w, x4); }
 SS_INLINE V qfloat(Q a) { return {_mm512_cvtepi32_ps(a.v)}; }
 
 SS_INLINE V vabs(V a) { return {_mm512_abs_ps(a.v)}; }
@@ -157,12 +143,6 @@ SS_INLINE float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }  // exact in an
 // Each lane rounded to the nearest integer, ties to even.
 SS_INLINE V vround(V a) {
   return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
-}
-
-// qdot_i8's `corr` for a pair of activation codes: -128 * the sum of each lane's 4 codes.
-SS_INLINE void qcorrection(const int8_t* codes, int32_t* out) {
-  const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(codes));
-  _mm512_storeu_si512(out, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
 }
 
 // 16 integer-valued lanes stored as int8, saturated.
@@ -176,8 +156,5 @@ constexpr int kTileCols = 4;
 // A taller one for 5-8 rows of quantized weights (16 + 4 + 1 zmm).
 constexpr int kTallRows = 8;
 constexpr int kTallCols = 2;
-// And of the *_A8 formats' integer path.
-constexpr int kQTileRows = 4;
-constexpr int kQTileCols = 4;
-// q4_1_a8's 16-column groups: rows of accumulators (12 + 8 codes + scale, minimum, sum).
+// The *_A8 formats' 16-column groups: rows of accumulators (12 + 8 codes + scale, minimum, sum).
 constexpr int kQGroupRows = 12;
