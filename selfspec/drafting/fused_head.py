@@ -251,14 +251,10 @@ def _kernel_weight(linear: nn.Module) -> KernelWeight | None:
 
 
 def _rows(module, weight: KernelWeight, start: int, stop: int):
-    """A ``KernelMatrix`` over output rows [start, stop) of ``weight`` (views, no copy)."""
+    """A ``KernelMatrix`` over output rows [start, stop) of ``weight`` (``output_rows``)."""
+    rows = weight.output_rows(start, stop)
     return module.KernelMatrix(
-        weight.code,
-        weight.data[start:stop],
-        None if weight.scale is None else weight.scale[start:stop],
-        None if weight.minimum is None else weight.minimum[start:stop],
-        None,
-        weight.group or weight.in_features,
+        rows.code, rows.data, rows.scale, rows.minimum, None, rows.group or rows.in_features
     )
 
 

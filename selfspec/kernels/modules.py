@@ -43,7 +43,7 @@ from selfspec.kernels.weights import (
 
 logger = logging.getLogger(__name__)
 
-MODES = ("float32", "bfloat16", "int8", "int4", "w4a8")
+MODES = ("float32", "bfloat16", "int8", "int4", "w4a8", "w8a8")  # w8a8: the draft heads' (internal)
 OUTPUT_GROUP = 32  # int4 mode's output layer: int8 with a scale per 32 weights (GGUF's Q8_0)
 
 
@@ -161,6 +161,8 @@ def _kind_for(layer: nn.Linear, mode: str, is_output: bool) -> str:
         return "dense"
     if mode == "int8":
         return "int8"
+    if mode == "w8a8":  # int8 weights and activations where the rows split into blocks of 32
+        return "int8_a8" if layer.in_features % 32 == 0 else "int8"
     # int4 and w4a8 (the same weights, w4a8 with int8 activations: K a multiple of 32 too)
     suffix = "_a8" if mode == "w4a8" else ""
     if layer.in_features % 32:

@@ -125,6 +125,36 @@ class KernelWeight:
         dense = (codes * plain.scale[..., None]) + plain.minimum[..., None]
         return dense.reshape(plain.out_features, plain.in_features)
 
+    def output_rows(self, start: int, stop: int) -> KernelWeight:
+        """Output rows [start, stop) as a weight of their own: views of the codes (an interleaved
+        weight's rows must start and stop at groups of 16, or stop at its end); the scales of an
+        interleaved one copied (a column slice of its [groups, N] table)."""
+        if not 0 <= start <= stop <= self.out_features:
+            raise ValueError(f"rows [{start}, {stop}) outside [0, {self.out_features})")
+        rows = dict(out_features=stop - start)
+        if self.format not in STORED_AS:
+            return dataclasses.replace(
+                self,
+                data=self.data[start:stop],
+                scale=None if self.scale is None else self.scale[start:stop],
+                minimum=None if self.minimum is None else self.minimum[start:stop],
+                **rows,
+            )
+        if start % COLUMN_GROUP or (stop % COLUMN_GROUP and stop != self.out_features):
+            raise ValueError(
+                f"{self.format} rows are interleaved by {COLUMN_GROUP}: [{start}, {stop}) does not "
+                "fall on groups"
+            )
+        groups = slice(start // COLUMN_GROUP, -(-stop // COLUMN_GROUP))
+        minimum = None if self.minimum is None else self.minimum[:, start:stop].contiguous()
+        return dataclasses.replace(
+            self,
+            data=self.data[groups],
+            scale=self.scale[:, start:stop].contiguous(),
+            minimum=minimum,
+            **rows,
+        )
+
     def row_major(self) -> KernelWeight:
         """The weight in its stored format's plain layout (an interleaved one's undone; the
         others as they are)."""

@@ -34,10 +34,12 @@ def random_head(model, kind: str = "eagle", layers: int = 1):
     return head
 
 
-def _head(layers: int = 1, kernels: bool = True, kind: str = "eagle"):
+def _head(layers: int = 1, kernels: bool = True, kind: str = "eagle", mode: str = "w8a8"):
+    """``mode``: the heads' kernel mode (``head_kernels``: w8a8, whose weights are interleaved by
+    16 columns, so the fused plan's q/k/v and gate/up splits fall on groups; int8 before)."""
     head = random_head(make_tiny_model("llama"), kind, layers)
     if kernels:
-        install_kernels(head, "int8")
+        install_kernels(head, mode)
     return head
 
 
@@ -53,9 +55,10 @@ def _steps(forward, head, cache: EagleCache) -> list[torch.Tensor]:
     return [first, second, *cache.keys, *cache.values]
 
 
+@pytest.mark.parametrize("mode", ["w8a8", "int8"])
 @pytest.mark.parametrize(("kind", "layers"), [("eagle", 1), ("eagle", 2), ("eagle3", 1)])
-def test_fused_head_computes_the_head_up_to_rounding(kind: str, layers: int) -> None:
-    head = _head(layers, kind=kind)
+def test_fused_head_computes_the_head_up_to_rounding(kind: str, layers: int, mode: str) -> None:
+    head = _head(layers, kind=kind, mode=mode)
     fused = (FusedEagleHead if kind == "eagle" else FusedEagle3Head)(head)
     with torch.inference_mode():
         expected = _steps(head, head, EagleCache())

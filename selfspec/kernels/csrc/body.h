@@ -322,21 +322,24 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
       const int8_t* x = p.xq + ((m + r) * pairs + pair) * 64 + 16 * half;  // 16-31: 32 bytes on
-      Q sum;
-      if constexpr (FORMAT == kQ4_1_A8) sum = qzero();
-      else sum = qinit_i8(p.x_corr[row_block]);
+      // Two chains of dot products (elements 0-15, 16-31), added at the end: exact integers.
+      Q low, high = qzero();
+      if constexpr (FORMAT == kQ4_1_A8) low = qzero();
+      else low = qinit_i8(p.x_corr[row_block]);
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         int32_t x_lo, x_hi;
         __builtin_memcpy(&x_lo, x + 4 * t, 4);
         __builtin_memcpy(&x_hi, x + 32 + 4 * t, 4);
         if constexpr (FORMAT == kQ4_1_A8) {
-          sum = qdot_bcast(qdot_bcast(sum, codes[t], x_lo), codes[4 + t], x_hi);
+          low = qdot_bcast(low, codes[t], x_lo);
+          high = qdot_bcast(high, codes[4 + t], x_hi);
         } else {
-          sum = qdot_bcast_i8(qdot_bcast_i8(sum, codes[t], x_lo), codes[4 + t], x_hi);
+          low = qdot_bcast_i8(low, codes[t], x_lo);
+          high = qdot_bcast_i8(high, codes[4 + t], x_hi);
         }
       }
-      acc[r] = vfma(qfloat(sum), vmul(s, vset1(p.x_scales[row_block])), acc[r]);
+      acc[r] = vfma(qfloat(qadd(low, high)), vmul(s, vset1(p.x_scales[row_block])), acc[r]);
       if constexpr (FORMAT == kQ4_1_A8) acc[r] = vfma(mn, vset1(p.x_sums[row_block]), acc[r]);
     }
   }

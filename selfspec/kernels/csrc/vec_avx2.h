@@ -123,6 +123,7 @@ SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(w.lo, x), ones)),
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(w.hi, x), ones))};
 }
+SS_INLINE Q qadd(Q a, Q b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 SS_INLINE V qfloat(Q a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 // int8_a8: the signed codes as they are; no offset to take out (qdot_bcast_i8 multiplies the
 // activation codes' magnitudes by the weights carrying the activations' signs).

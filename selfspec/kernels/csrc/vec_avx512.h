@@ -135,6 +135,7 @@ SS_INLINE Q qcodes_i8(const uint8_t* p) {
 SS_INLINE Q qinit_i8(int32_t corr) { return {_mm512_set1_epi32(corr)}; }
 // ... and the same dot product.
 SS_INLINE Q qdot_bcast_i8(Q acc, Q w, int32_t x4) { return qdot_bcast(acc, w, x4); }
+SS_INLINE Q qadd(Q a, Q b) { return {_mm512_add_epi32(a.v, b.v)}; }
 SS_INLINE V qfloat(Q a) { return {_mm512_cvtepi32_ps(a.v)}; }
 
 SS_INLINE V vabs(V a) { return {_mm512_abs_ps(a.v)}; }
