@@ -7,7 +7,8 @@ install (``python -m selfspec.kernels.extension``). Nothing is built when ``self
 imported, and a failed build never breaks an import: the callers fall back to pure torch.
 
 Environment: ``SELFSPEC_KERNELS=torch`` never loads the extension (the pure-torch fallback, for
-comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU.
+comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU;
+``SELFSPEC_KERNEL_AMX=0`` keeps int8_a8 off the AMX tiles (the same bits either way).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from selfspec.paths import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "decoder_layer.cpp", "isa_avx512.cpp", "isa_avx2.cpp")
+SOURCES = ("ops.cpp", "decoder_layer.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_amx.cpp")
 HEADERS = ("ops.h", "params.h", "body.h", "vec_avx512.h", "vec_avx2.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every rounding is the one written.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
@@ -124,6 +125,8 @@ def main() -> None:
     """Build now (``scripts/setup.sh``) rather than on the first generation."""
     built = load()
     paths = f"built, paths {built.supported_isas()}" if built else "not built: the torch fallback"
+    if built and built.amx_ready():
+        paths += " + AMX tiles (int8_a8 from 8 rows)"
     print(f"selfspec kernels: {paths}")
 
 

@@ -102,6 +102,27 @@ def check_int8_activations(
     assert not torch.equal(out, exact)  # and it is a different arithmetic
 
 
+def _amx_ready() -> bool:
+    module = extension.load()
+    return module is not None and module.amx_ready()
+
+
+@pytest.mark.skipif(not _amx_ready(), reason="no AMX tiles on this CPU (or not granted)")
+@pytest.mark.parametrize("fmt", ["int8_a8", "int8_g32_a8"])
+def test_amx_tiles_give_the_vnni_paths_bits(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8_a8 calls of 8 rows or more run on AMX tiles where there are some: the same exact
+    integer block sums and float steps as VNNI, so the same bits (and so the same as one row)."""
+    weight = make_weight(fmt, 70, 96)
+    for rows in (8, 9, 16, 17, 40):
+        x = torch.randn(rows, 96) * torch.logspace(-2, 2, 96)
+        tiles = ops.linear(x, weight)
+        monkeypatch.setenv("SELFSPEC_KERNEL_AMX", "0")
+        vnni = ops.linear(x, weight)
+        monkeypatch.delenv("SELFSPEC_KERNEL_AMX")
+        assert torch.equal(tiles, vnni), f"{rows} rows"
+        assert torch.equal(tiles[5], ops.linear(x[5:6].contiguous(), weight)[0])
+
+
 @pytest.mark.skipif(len(cpp_paths()) < 2, reason="needs both C++ paths on this CPU")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_avx2_and_avx512_paths_give_the_same_bits(

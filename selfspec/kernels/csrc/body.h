@@ -243,36 +243,38 @@ static void linear_columns_tiled(const LinearParams& p, int64_t n_begin, int64_t
 // own values, so a row's result never depends on the other rows of the call (row invariance),
 // and both ISA paths give the same bits.
 
-// Rows [begin, end) of x quantized into p.xq (pair order, vec_*.h) / scales / sums / corr
-// (const there: the dispatcher owns the buffers and hands them in writable).
+// Rows [begin, end) of x quantized into p.xq / scales / sums / corr (const there: the
+// dispatcher owns the buffers and hands them in writable).
 void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end) {
-  const int64_t K = p.K, blocks = K / 32, pairs = p.pairs;
+  const int64_t K = p.K, blocks = K / 32;
   for (int64_t m = begin; m < end; ++m) {
-    const float* x = p.x + m * K;
-    for (int64_t pair = 0; pair < pairs; ++pair) {
-      int8_t* q = xq + (m * pairs + pair) * 64;
-      for (int64_t half = 0; half < 2; ++half) {
-        const int64_t b = 2 * pair + half;
-        int8_t* first = q + 16 * half;  // elements 0-15 of block b; 16-31 are 32 bytes on
-        if (b >= blocks) {  // the last pair's missing block
-          for (int i = 0; i < 16; ++i) first[i] = first[32 + i] = 0;
-          continue;
-        }
-        const V lo = vload(x + 32 * b), hi = vload(x + 32 * b + 16);
-        const float d = vhmax(vmax(vabs(lo), vabs(hi))) / 127.0f;
-        const V inverse = vset1(d != 0.0f ? 1.0f / d : 0.0f);
-        const V code_lo = vround(vmul(lo, inverse)), code_hi = vround(vmul(hi, inverse));
-        vstore_i8(first, code_lo);
-        vstore_i8(first + 32, code_hi);
-        // Integers below 2^24: the float sum is exact in any order.
-        const float total = vhsum(vadd(code_lo, code_hi));
-        scales[m * blocks + b] = d;
-        sums[m * blocks + b] = d * total;
-        corr[m * blocks + b] = -128 * static_cast<int32_t>(total);
-      }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* x = p.x + m * K + 32 * b;
+      int8_t* q = xq + m * K + 32 * b;
+      const V lo = vload(x), hi = vload(x + 16);
+      const float d = vhmax(vmax(vabs(lo), vabs(hi))) / 127.0f;
+      const V inverse = vset1(d != 0.0f ? 1.0f / d : 0.0f);
+      const V code_lo = vround(vmul(lo, inverse)), code_hi = vround(vmul(hi, inverse));
+      vstore_i8(q, code_lo);
+      vstore_i8(q + 16, code_hi);
+      // Integers below 2^24: the float sum is exact in any order.
+      const float total = vhsum(vadd(code_lo, code_hi));
+      scales[m * blocks + b] = d;
+      sums[m * blocks + b] = d * total;
+      corr[m * blocks + b] = -128 * static_cast<int32_t>(total);
     }
   }
+}
+
+// One block's contribution to 16 columns of a row: `sum` the exact integer sums (as floats), `s`
+// and `mn` the columns' block scales and minimums, `d` and `S` the row's block scale and d * code
+// sum. Every path of the *_A8 formats (VNNI, AVX2, AMX) ends a block here.
+template <int64_t FORMAT>
+SS_INLINE V add_block(V acc, V sum, V s, V mn, float d, float S) {
+  acc = vfma(sum, vmul(s, vset1(d)), acc);
+  if constexpr (FORMAT == kQ4_1_A8) acc = vfma(mn, vset1(S), acc);
+  return acc;
 }
 
 // Bytes of one interleaved group's block: 32 codes of 16 columns.
@@ -283,7 +285,7 @@ constexpr int64_t kGroupBlockBytes = FORMAT == kQ4_1_A8 ? 256 : 512;
 template <int R, int64_t FORMAT>
 SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
   constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
-  const int64_t blocks = p.K / 32, pairs = p.pairs, N = p.N, n0 = 16 * g;
+  const int64_t blocks = p.K / 32, N = p.N, n0 = 16 * g;
   const int live = static_cast<int>(min64(16, N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   V acc[R];
@@ -317,11 +319,10 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
       _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
       mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
     }
-    const int64_t pair = b >> 1, half = b & 1;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
-      const int8_t* x = p.xq + ((m + r) * pairs + pair) * 64 + 16 * half;  // 16-31: 32 bytes on
+      const int8_t* x = p.xq + row_block * 32;
       // Two chains of dot products (elements 0-15, 16-31), added at the end: exact integers.
       Q low, high = qzero();
       if constexpr (FORMAT == kQ4_1_A8) low = qzero();
@@ -330,7 +331,7 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
       for (int t = 0; t < 4; ++t) {
         int32_t x_lo, x_hi;
         __builtin_memcpy(&x_lo, x + 4 * t, 4);
-        __builtin_memcpy(&x_hi, x + 32 + 4 * t, 4);
+        __builtin_memcpy(&x_hi, x + 16 + 4 * t, 4);
         if constexpr (FORMAT == kQ4_1_A8) {
           low = qdot_bcast(low, codes[t], x_lo);
           high = qdot_bcast(high, codes[4 + t], x_hi);
@@ -339,8 +340,8 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
           high = qdot_bcast_i8(high, codes[4 + t], x_hi);
         }
       }
-      acc[r] = vfma(qfloat(qadd(low, high)), vmul(s, vset1(p.x_scales[row_block])), acc[r]);
-      if constexpr (FORMAT == kQ4_1_A8) acc[r] = vfma(mn, vset1(p.x_sums[row_block]), acc[r]);
+      acc[r] = add_block<FORMAT>(acc[r], qfloat(qadd(low, high)), s, mn, p.x_scales[row_block],
+                                 p.x_sums[row_block]);
     }
   }
 #pragma GCC unroll 16

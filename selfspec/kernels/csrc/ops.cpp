@@ -1,8 +1,12 @@
 // The torch-facing side: argument checks, instruction-set dispatch and threads over output
 // columns (linear) or (batch, query, head) items (attention), through torch's own thread pool.
 #include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
 #include <torch/extension.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -17,6 +21,9 @@ void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end);
 }  // namespace avx512
+namespace amx {
+void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end);
+}  // namespace amx
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
@@ -44,6 +51,22 @@ bool cpu_has(const char* isa) {
   return false;
 }
 
+// AMX tiles for the *_A8 formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
+// 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
+// SELFSPEC_KERNEL_AMX is not "0" (read on every call; the hardware and the OS asked once).
+bool amx_ready() {
+  const char* env = std::getenv("SELFSPEC_KERNEL_AMX");
+  if (env != nullptr && std::string(env) == "0") return false;
+  static const bool ready = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1) || !((edx >> 25) & 1) || !cpu_has("avx512vnni")) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ready;
+}
+
 // "auto" picks the widest path the CPU runs; a named path must be supported.
 std::string resolve_isa(const std::string& isa) {
   if (isa == "auto") {
@@ -67,6 +90,8 @@ void check_cpu(const torch::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+bool amx_available() { return amx_ready(); }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
@@ -214,8 +239,7 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   if (int8_activations(p.format)) {
     // The AVX-512 integer path needs VNNI; without it the AVX2 path (the same bits) runs.
     wide = wide && cpu_has("avx512vnni");
-    p.pairs = (K + 63) / 64;
-    codes = torch::empty({M, p.pairs * 64}, x.options().dtype(torch::kInt8));
+    codes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
     scales = torch::empty({M, K / 32}, x.options());
     sums = torch::empty({M, K / 32}, x.options());
     corr = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
@@ -231,6 +255,8 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     p.x_sums = s;
     p.x_corr = r;
   }
+  // Int8_A8 on AMX tiles from kAmxMinRows rows (the same bits; fewer rows: VNNI).
+  const bool tiles_path = wide && p.format == kInt8_A8 && M >= kAmxMinRows && amx_ready();
   // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for the *_A8 groups.
   const int64_t width = int8_activations(p.format) ? 16 : 4;
   const int64_t tiles = (N + width - 1) / width;
@@ -240,7 +266,8 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_size);
     const int64_t n_end = std::min(N, end * width);
-    if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
+    if (tiles_path) amx::linear_columns_amx(p, begin * width, n_end);
+    else if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
     else avx2::linear_columns(p, begin * width, n_end, scratch.data());
   });
   return y;
@@ -393,6 +420,8 @@ void rotary_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& si
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "selfspec's row-invariant small-M linear and fixed-order attention kernels";
   m.def("supported_isas", &selfspec_kernels::supported_isas);
+  m.def("amx_ready", &selfspec_kernels::amx_available,
+        "whether int8_a8 calls of several rows run on AMX tiles here (SELFSPEC_KERNEL_AMX=0: off)");
   m.def("linear", &selfspec_kernels::linear);
   m.def("linear_rows", &selfspec_kernels::linear_rows);
   m.def("attention", &selfspec_kernels::attention);

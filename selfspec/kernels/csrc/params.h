@@ -34,6 +34,9 @@ SS_INLINE int64_t stored_format(int64_t format) {
 }
 SS_INLINE bool int8_activations(int64_t format) { return format == kQ4_1_A8 || format == kInt8_A8; }
 
+// From this many rows Int8_A8 runs on AMX tiles where the CPU has them (ops.cpp, isa_amx.cpp).
+constexpr int64_t kAmxMinRows = 8;
+
 struct LinearParams {
   const float* x;        // [M, K] fp32 activations
   const void* w;         // the weight, laid out as `format` says
@@ -47,8 +50,7 @@ struct LinearParams {
   int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
   const int64_t* rows;   // [N] the weight row output column n reads, or null (row n)
   // The *_A8 formats: x quantized per block of 32 (quantize_rows, before the columns run).
-  int64_t pairs;          // (K + 63) / 64
-  const int8_t* xq;       // [M, pairs, 64] codes, in pairs of blocks (pair order, vec_*.h)
+  const int8_t* xq;       // [M, K] codes
   const float* x_scales;  // [M, K / 32] each block's scale d
   const float* x_sums;    // [M, K / 32] d * the sum of the block's codes
   const int32_t* x_corr;  // [M, K / 32] -128 * the sum of the block's codes (AVX-512 int8)

@@ -106,9 +106,7 @@ SS_INLINE V vexp_nonpositive(V x) {
 // ---------------------------------------------------------------------------------------------
 // Integer dot products for the *_A8 formats (body.h), on AVX-512 VNNI: 16 int32 lanes, one per
 // output column of an interleaved group, each summing its column's 4 codes times 4 broadcast
-// activation codes. Activation codes are stored per block pair in "pair order": block 0 elements
-// 0-15, block 1 elements 0-15, block 0 elements 16-31, block 1 elements 16-31 (a Q4_1 byte's
-// low and high nibbles are elements 16 apart). vec_avx2.h computes the same integers.
+// activation codes. vec_avx2.h computes the same integers.
 
 struct Q {
   __m512i v;

@@ -1,0 +1,102 @@
+// Int8_A8's linear on AMX tiles (amx-int8) for calls of several rows: per 16-column group and
+// block, one tile product gives every row's exact int32 block sums (the integers the VNNI and
+// AVX2 paths add up in registers), and the same float steps follow (body.h's add_block), so the
+// bits are those of the other paths. ops.cpp runs it where the CPU has AMX, the OS grants the
+// tile state, and a call has at least kAmxMinRows rows. Q4_1_A8 stays on VNNI: its nibbles would
+// have to be spread to bytes in memory before a tile load, which measured slower than VNNI up to
+// 16 rows. No torch header here: see params.h.
+#include <cmath>
+#include <cstdint>
+
+#include "params.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+#include <immintrin.h>
+
+namespace selfspec_kernels {
+namespace amx {
+#include "vec_avx512.h"
+#include "body.h"
+
+namespace {
+
+// Tile 0: C, rows x 16 int32 (a block's sums); tile 1: A, rows x 32 int8 (a block of the rows'
+// activation codes); tile 2: B, 8 x 64 bytes (a block of 16 columns' codes, 4 consecutive
+// elements of each column per 64 bytes: the interleaved layout is the tiles' order).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void configure(int rows) {
+  TileConfig config{};
+  config.palette_id = 1;
+  config.rows[0] = static_cast<uint8_t>(rows);
+  config.colsb[0] = 64;
+  config.rows[1] = static_cast<uint8_t>(rows);
+  config.colsb[1] = 32;
+  config.rows[2] = 8;
+  config.colsb[2] = 64;
+  asm volatile("" : : "r"(&config) : "memory");  // the stores above happen before the load
+  _tile_loadconfig(&config);
+}
+
+// Rows [m, m + rows) (rows <= 16, tiles configured for them) of group g's 16 columns into out.
+void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, float (*out)[16]) {
+  constexpr int64_t bytes = kGroupBlockBytes<kInt8_A8>;
+  const int64_t K = p.K, blocks = K / 32, N = p.N, n0 = 16 * g;
+  const int live = static_cast<int>(min64(16, N - n0));
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
+  alignas(64) int32_t sums[16 * 16];
+  V acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = vzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* ahead = w + (4 * blocks + b) * bytes;  // four groups on
+    for (int64_t line = 0; line < bytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
+    _tile_zero(0);
+    _tile_loadd(1, p.xq + m * K + 32 * b, K);
+    _tile_loadd(2, w + b * bytes, 64);
+    _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
+    _tile_stored(0, sums, 64);
+    const float* scale = p.scale + (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift) * N + n0;
+    const V s = live == 16 ? vload(scale) : vload_n(scale, live);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row_block = (m + r) * blocks + b;
+      const V sum = {_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r))};
+      acc[r] = add_block<kInt8_A8>(acc[r], sum, s, vzero(), p.x_scales[row_block], p.x_sums[row_block]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) vstore(out[r], acc[r]);
+}
+
+}  // namespace
+
+void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+  const int64_t M = p.M, N = p.N;
+  int configured = 0;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
+    const int columns = static_cast<int>(min64(16, n_end - n0));
+    for (int64_t m = 0; m < M; m += 16) {
+      const int rows = static_cast<int>(min64(16, M - m));
+      if (rows != configured) {
+        configure(rows);
+        configured = rows;
+      }
+      alignas(64) float out[16][16];
+      group_rows(p, m, rows, n0 / 16, out);
+      for (int r = 0; r < rows; ++r) {
+        float* y = p.y + (m + r) * N + n0;
+        for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n0 + c] : out[r][c];
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+}  // namespace selfspec_kernels
