@@ -94,3 +94,5 @@ def test_streamed_outputs_carry_their_tokens_logprobs(generator) -> None:
     outputs = list(stream)
     assert all(len(o.logprobs) == len(o.token_ids) for o in outputs)
     assert [x for o in outputs for x in o.logprobs] == stream.result.logprobs
+
+

@@ -19,6 +19,9 @@ Modes (what ``TargetSpec.dtype`` names):
 - ``w4a8``: int4's weights, computing with activations quantized to int8 per block of 32 at run
   time (integer dot products, as llama.cpp runs a Q4_1 file): lossy against float activations,
   cheaper per row where compute, not memory, bounds a forward (verifying a tree).
+- ``w8a8`` (the draft heads', ``selfspec.drafting.head_kernels``; not a target mode): int8's
+  per-channel weights computing with int8 activations where a layer's inputs split into blocks
+  of 32, int8 as above where not.
 
 A weight replaced or changed in place (a merged adapter) is converted again on the next call.
 """
@@ -43,7 +46,7 @@ from selfspec.kernels.weights import (
 
 logger = logging.getLogger(__name__)
 
-MODES = ("float32", "bfloat16", "int8", "int4", "w4a8", "w8a8")  # w8a8: the draft heads' (internal)
+MODES = ("float32", "bfloat16", "int8", "int4", "w4a8", "w8a8")
 OUTPUT_GROUP = 32  # int4 mode's output layer: int8 with a scale per 32 weights (GGUF's Q8_0)
 
 

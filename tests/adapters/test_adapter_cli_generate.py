@@ -46,13 +46,8 @@ def test_generate_with_adapter_dir_and_by_name(capsys, target_and_heads, adapter
     )
     assert code == 0 and by_dir["token_ids"] == expected
     code, by_name = _generate(
-        capsys,
-        *common,
-        "--no-speculation",
-        "--adapter",
-        "all.linear",
-        "--adapters-root",
-        str(adapter_root),
+        capsys, *common, "--no-speculation", "--adapter", "all.linear",
+        "--adapters-root", str(adapter_root),
     )
     assert code == 0 and by_name["token_ids"] == expected
     code, base = _generate(capsys, *common, "--heads", str(heads))
@@ -62,16 +57,8 @@ def test_generate_with_adapter_dir_and_by_name(capsys, target_and_heads, adapter
 def test_generate_with_unknown_adapter_is_a_clear_error(capsys, target_and_heads, adapter_root):
     target, _ = target_and_heads
     code, err = _generate(
-        capsys,
-        "--prompt",
-        PROMPT,
-        "--model",
-        str(target),
-        "--no-speculation",
-        "--adapter",
-        "nope",
-        "--adapters-root",
-        str(adapter_root),
+        capsys, "--prompt", PROMPT, "--model", str(target), "--no-speculation",
+        "--adapter", "nope", "--adapters-root", str(adapter_root),
     )
     assert code == 2
     assert "unknown adapter 'nope'" in err and "all.linear, attn, mlp_down" in err
@@ -91,19 +78,8 @@ def test_generate_uses_the_adapters_own_heads(capsys, target_and_heads, adapter_
     common += ["--tree", "chain:2"]
     runs = {}
     for flag in ("--adapter-heads", "--no-adapter-heads"):
-        code = main(
-            [
-                "generate",
-                "--no-chat",
-                "--json",
-                "--max-new-tokens",
-                str(NEW),
-                *common,
-                "--adapter",
-                str(tmp_path / "attn"),
-                flag,
-            ]
-        )
+        code = main(["generate", "--no-chat", "--json", "--max-new-tokens", str(NEW), *common,
+                     "--adapter", str(tmp_path / "attn"), flag])
         captured = capsys.readouterr()
         assert code == 0, captured.err
         runs[flag] = (json.loads(captured.out)["token_ids"], captured.err)

@@ -31,24 +31,11 @@ def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
 
 def _eval(setup, adapter_root: Path, out: Path, *extra: str) -> int:
     target, heads, prompts = setup
-    return main(
-        [
-            "eval",
-            "--model",
-            str(target),
-            "--heads",
-            str(heads),
-            "--adapters-root",
-            str(adapter_root),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            "8",
-            "--out",
-            str(out),
-            *extra,
-        ]
-    )
+    return main([
+        "eval", "--model", str(target), "--heads", str(heads), "--adapters-root",
+        str(adapter_root), "--prompts", str(prompts), "--max-new-tokens", "8",
+        "--out", str(out), *extra,
+    ])
 
 
 def test_eval_writes_json_markdown_and_plot(setup, adapter_root, tmp_path, capsys) -> None:
@@ -72,17 +59,8 @@ def test_eval_writes_json_markdown_and_plot(setup, adapter_root, tmp_path, capsy
 
 
 def test_eval_gate_fails_and_lists_adapters_below(setup, adapter_root, tmp_path, capsys) -> None:
-    code = _eval(
-        setup,
-        adapter_root,
-        tmp_path,
-        "--min-ratio",
-        "1000",
-        "--no-plot",
-        "--adapters",
-        "attn",
-        "mlp_down",
-    )
+    code = _eval(setup, adapter_root, tmp_path, "--min-ratio", "1000", "--no-plot",
+                 "--adapters", "attn", "mlp_down")
     assert code == 1
     err = capsys.readouterr().err
     assert "below --min-ratio 1000.0: attn (" in err and "mlp_down (" in err
@@ -94,21 +72,8 @@ def test_eval_bad_prompts_file_is_a_clear_error(setup, adapter_root, tmp_path, c
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     target, heads, _ = setup
-    code = main(
-        [
-            "eval",
-            "--model",
-            str(target),
-            "--heads",
-            str(heads),
-            "--adapters-root",
-            str(adapter_root),
-            "--prompts",
-            str(bad),
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    code = main(["eval", "--model", str(target), "--heads", str(heads), "--adapters-root",
+                 str(adapter_root), "--prompts", str(bad), "--out", str(tmp_path)])
     assert code == 2
     assert 'bad.jsonl:1: expected {"prompt": "..."}' in capsys.readouterr().err
 
@@ -142,14 +107,12 @@ def test_gate_judges_an_adapter_by_the_heads_it_is_served_with() -> None:
     def row(name: str, heads: str, tau: float) -> Measurement:
         return Measurement(name, heads, 1, 10, tau, (0.5,), 1.0, 1.0, 1)
 
-    rows = with_ratios(
-        [
-            row("(base)", "base", 2.0),
-            row("recalibrated", "base", 1.0),  # drops with the shared heads ...
-            row("recalibrated", "own", 1.9),  # ... but is served with its own
-            row("plain", "base", 1.2),
-        ]
-    )
+    rows = with_ratios([
+        row("(base)", "base", 2.0),
+        row("recalibrated", "base", 1.0),  # drops with the shared heads ...
+        row("recalibrated", "own", 1.9),  # ... but is served with its own
+        row("plain", "base", 1.2),
+    ])
     report = RobustnessReport(rows=rows, settings={})
     assert [(r.name, r.heads) for r in report.below(0.8)] == [("plain", "base")]
     assert [(r.name, r.heads) for r in report.below(0.99)] == [

@@ -59,12 +59,7 @@ def test_scan_registers_the_good_and_records_every_bad_reason(base, mixed_root, 
     assert store.names() == ("good",)
     reasons = store.rejected
     assert set(reasons) == {
-        "bad_regex",
-        "invalid_regex",
-        "deep_json",
-        "huge_int",
-        "alpha_word",
-        "surprise",
+        "bad_regex", "invalid_regex", "deep_json", "huge_int", "alpha_word", "surprise"
     }
     assert "backtracking" in reasons["bad_regex"]
     assert "not a valid regular expression" in reasons["invalid_regex"]
