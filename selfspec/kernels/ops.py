@@ -141,7 +141,9 @@ def linear_a8_fallback(
         scale, minimum = weight.scale, weight.minimum
     else:
         per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
-        scale = weight.scale.repeat_interleave(per_block, 1) if per_block else weight.scale
+        scale = weight.scale
+        if per_block:  # one scale per `per_block` blocks (the row's last group may be shorter)
+            scale = scale.repeat_interleave(per_block, 1)[:, :blocks]
         scale, minimum = scale.expand(n, blocks), None
     out = []
     for row in x.float().view(-1, blocks, ACTIVATION_BLOCK):  # [blocks, 32]

@@ -205,6 +205,15 @@ def _int8_with(code: int) -> KernelWeight:
     return weight
 
 
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+def test_int8_activations_with_a_last_group_shorter_than_the_others() -> None:
+    """int8 groups of 64 over 96 inputs: two scales per row, the second for 32 weights."""
+    weight = activations_int8(quantize_int8(torch.randn(20, 96), 64))
+    x = torch.randn(3, 96)
+    expected = ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight))
+    torch.testing.assert_close(ops.linear(x, weight), expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int8_g32", "q4_1"])
 def test_int8_activations_interleave_the_same_codes_and_scales(fmt: str) -> None:
     """The *_A8 formats hold the stored format's codes interleaved by 16 columns (N not a

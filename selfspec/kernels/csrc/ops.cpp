@@ -130,7 +130,7 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
                     "int8_a8 group must be K or a power of two >= 32, got ", group);
         TORCH_CHECK(scale.has_value(), "int8_a8 weight needs a scale");
         check_cpu(*scale, "scale");
-        const int64_t groups = group >= K ? 1 : K / group;
+        const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
         TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->dim() == 2 && scale->size(0) == groups,
                     "int8_a8 scale must be float32 [", groups, ", N]");
         N = scale->size(1);
