@@ -51,7 +51,7 @@ bool cpu_has(const char* isa) {
   return false;
 }
 
-// AMX tiles for the *_A8 formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
+// AMX tiles for Int8_A8 (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
 // 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
 // SELFSPEC_KERNEL_AMX is not "0" (read on every call; the hardware and the OS asked once).
 bool amx_ready() {
