@@ -8,7 +8,8 @@ imported, and a failed build never breaks an import: the callers fall back to pu
 
 Environment: ``SELFSPEC_KERNELS=torch`` never loads the extension (the pure-torch fallback, for
 comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU;
-``SELFSPEC_KERNEL_AMX=0`` keeps int8_a8 off the AMX tiles (the same bits either way).
+``SELFSPEC_KERNEL_AMX=0`` keeps the int8-activation formats off the AMX tiles (the same bits
+either way).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def main() -> None:
     built = load()
     paths = f"built, paths {built.supported_isas()}" if built else "not built: the torch fallback"
     if built and built.amx_ready():
-        paths += " + AMX tiles (int8_a8 from 8 rows)"
+        paths += " + AMX tiles (int8_a8 from 8 rows, q4_1_a8 from 12)"
     print(f"selfspec kernels: {paths}")
 
 

@@ -108,12 +108,13 @@ def _amx_ready() -> bool:
 
 
 @pytest.mark.skipif(not _amx_ready(), reason="no AMX tiles on this CPU (or not granted)")
-@pytest.mark.parametrize("fmt", ["int8_a8", "int8_g32_a8"])
+@pytest.mark.parametrize("fmt", ["int8_a8", "int8_g32_a8", "q4_1_a8"])
 def test_amx_tiles_give_the_vnni_paths_bits(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8_a8 calls of 8 rows or more run on AMX tiles where there are some: the same exact
-    integer block sums and float steps as VNNI, so the same bits (and so the same as one row)."""
+    """*_a8 calls of 8 (int8) or 12 (Q4_1) rows or more run on AMX tiles where there are some:
+    the same exact integer block sums and float steps as VNNI, so the same bits (and so the
+    same as one row)."""
     weight = make_weight(fmt, 70, 96)
-    for rows in (8, 9, 16, 17, 40):
+    for rows in (8, 9, 12, 16, 17, 40):
         x = torch.randn(rows, 96) * torch.logspace(-2, 2, 96)
         tiles = ops.linear(x, weight)
         monkeypatch.setenv("SELFSPEC_KERNEL_AMX", "0")

@@ -1,12 +1,13 @@
-// Int8_A8's linear on AMX tiles (amx-int8) for calls of several rows: per 16-column group and
-// block, one tile product gives every row's exact int32 block sums (the integers the VNNI and
+// The *_A8 formats' linear on AMX tiles (amx-int8) for calls of several rows: per 16-column group
+// and block, one tile product gives every row's exact int32 block sums (the integers the VNNI and
 // AVX2 paths add up in registers), and the same float steps follow (body.h's add_block), so the
-// bits are those of the other paths. ops.cpp runs it where the CPU has AMX, the OS grants the
-// tile state, and a call has at least kAmxMinRows rows. Q4_1_A8 stays on VNNI: its nibbles would
-// have to be spread to bytes in memory before a tile load, which measured slower than VNNI up to
-// 16 rows. No torch header here: see params.h.
+// bits are those of the other paths. Int8_A8's interleaved codes are a tile as stored; Q4_1_A8's
+// nibbles are spread to bytes for a whole group before its products (a tile load right after
+// the stores it reads waits for them). ops.cpp runs it where the CPU has AMX, the OS grants the
+// tile state, and a call has enough rows (params.h). No torch header here: see params.h.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "params.h"
 
@@ -44,9 +45,26 @@ void configure(int rows) {
   _tile_loadconfig(&config);
 }
 
-// Rows [m, m + rows) (rows <= 16, tiles configured for them) of group g's 16 columns into out.
-void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, float (*out)[16]) {
-  constexpr int64_t bytes = kGroupBlockBytes<kInt8_A8>;
+// Q4_1_A8: group g's blocks with their nibbles spread to bytes, blocks x 512 bytes.
+void spread_group(const LinearParams& p, int64_t g, uint8_t* spread) {
+  const int64_t blocks = p.K / 32;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * 256;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int t = 0; t < 4; ++t) {
+      Q lo, hi;
+      qnibbles(w + b * 256 + 64 * t, lo, hi);
+      _mm512_store_si512(spread + b * 512 + 64 * t, lo.v);
+      _mm512_store_si512(spread + b * 512 + 64 * (4 + t), hi.v);
+    }
+  }
+}
+
+// Rows [m, m + rows) (rows <= 16, tiles configured for them) of group g's 16 columns into out;
+// `spread`: Q4_1_A8's codes as bytes (spread_group).
+template <int64_t FORMAT>
+void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uint8_t* spread,
+                float (*out)[16]) {
+  constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
   const int64_t K = p.K, blocks = K / 32, N = p.N, n0 = 16 * g;
   const int live = static_cast<int>(min64(16, N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
@@ -60,27 +78,37 @@ void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, float (*o
     }
     _tile_zero(0);
     _tile_loadd(1, p.xq + m * K + 32 * b, K);
-    _tile_loadd(2, w + b * bytes, 64);
-    _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
+    V mn = vzero();
+    if constexpr (FORMAT == kQ4_1_A8) {
+      _tile_loadd(2, spread + b * 512, 64);
+      _tile_dpbsud(0, 1, 2);  // s8 x u8
+      const float* minimum = p.minimum + b * N + n0;
+      mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+    } else {
+      _tile_loadd(2, w + b * bytes, 64);
+      _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
+    }
     _tile_stored(0, sums, 64);
-    const float* scale = p.scale + (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift) * N + n0;
+    const int64_t scale_row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
+    const float* scale = p.scale + scale_row * N + n0;
     const V s = live == 16 ? vload(scale) : vload_n(scale, live);
     for (int r = 0; r < rows; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
       const V sum = {_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r))};
-      acc[r] = add_block<kInt8_A8>(acc[r], sum, s, vzero(), p.x_scales[row_block], p.x_sums[row_block]);
+      acc[r] = add_block<FORMAT>(acc[r], sum, s, mn, p.x_scales[row_block], p.x_sums[row_block]);
     }
   }
   for (int r = 0; r < rows; ++r) vstore(out[r], acc[r]);
 }
 
-}  // namespace
-
-void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+template <int64_t FORMAT>
+void linear_groups(const LinearParams& p, int64_t n_begin, int64_t n_end) {
   const int64_t M = p.M, N = p.N;
   int configured = 0;
+  uint8_t* spread = FORMAT == kQ4_1_A8 ? static_cast<uint8_t*>(std::aligned_alloc(64, p.K / 32 * 512)) : nullptr;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int columns = static_cast<int>(min64(16, n_end - n0));
+    if constexpr (FORMAT == kQ4_1_A8) spread_group(p, n0 / 16, spread);
     for (int64_t m = 0; m < M; m += 16) {
       const int rows = static_cast<int>(min64(16, M - m));
       if (rows != configured) {
@@ -88,7 +116,7 @@ void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end) {
         configured = rows;
       }
       alignas(64) float out[16][16];
-      group_rows(p, m, rows, n0 / 16, out);
+      group_rows<FORMAT>(p, m, rows, n0 / 16, spread, out);
       for (int r = 0; r < rows; ++r) {
         float* y = p.y + (m + r) * N + n0;
         for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n0 + c] : out[r][c];
@@ -96,6 +124,14 @@ void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end) {
     }
   }
   _tile_release();
+  std::free(spread);
+}
+
+}  // namespace
+
+void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+  if (p.format == kQ4_1_A8) linear_groups<kQ4_1_A8>(p, n_begin, n_end);
+  else linear_groups<kInt8_A8>(p, n_begin, n_end);
 }
 
 }  // namespace amx

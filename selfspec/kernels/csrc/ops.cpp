@@ -51,7 +51,7 @@ bool cpu_has(const char* isa) {
   return false;
 }
 
-// AMX tiles for Int8_A8 (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
+// AMX tiles for the *_A8 formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
 // 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
 // SELFSPEC_KERNEL_AMX is not "0" (read on every call; the hardware and the OS asked once).
 bool amx_ready() {
@@ -255,8 +255,9 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     p.x_sums = s;
     p.x_corr = r;
   }
-  // Int8_A8 on AMX tiles from kAmxMinRows rows (the same bits; fewer rows: VNNI).
-  const bool tiles_path = wide && p.format == kInt8_A8 && M >= kAmxMinRows && amx_ready();
+  // The *_A8 formats on AMX tiles from enough rows (the same bits; fewer rows: VNNI).
+  const int64_t amx_rows = p.format == kQ4_1_A8 ? kAmxMinRowsQ4 : kAmxMinRows;
+  const bool tiles_path = wide && int8_activations(p.format) && M >= amx_rows && amx_ready();
   // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for the *_A8 groups.
   const int64_t width = int8_activations(p.format) ? 16 : 4;
   const int64_t tiles = (N + width - 1) / width;
@@ -421,7 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "selfspec's row-invariant small-M linear and fixed-order attention kernels";
   m.def("supported_isas", &selfspec_kernels::supported_isas);
   m.def("amx_ready", &selfspec_kernels::amx_available,
-        "whether int8_a8 calls of several rows run on AMX tiles here (SELFSPEC_KERNEL_AMX=0: off)");
+        "whether *_a8 calls of several rows run on AMX tiles here (SELFSPEC_KERNEL_AMX=0: off)");
   m.def("linear", &selfspec_kernels::linear);
   m.def("linear_rows", &selfspec_kernels::linear_rows);
   m.def("attention", &selfspec_kernels::attention);

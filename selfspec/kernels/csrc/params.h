@@ -34,8 +34,10 @@ SS_INLINE int64_t stored_format(int64_t format) {
 }
 SS_INLINE bool int8_activations(int64_t format) { return format == kQ4_1_A8 || format == kInt8_A8; }
 
-// From this many rows Int8_A8 runs on AMX tiles where the CPU has them (ops.cpp, isa_amx.cpp).
+// From this many rows the *_A8 formats run on AMX tiles where the CPU has them (ops.cpp,
+// isa_amx.cpp): Int8_A8 from 8, Q4_1_A8 (whose nibbles are spread to bytes first) from 12.
 constexpr int64_t kAmxMinRows = 8;
+constexpr int64_t kAmxMinRowsQ4 = 12;
 
 struct LinearParams {
   const float* x;        // [M, K] fp32 activations
