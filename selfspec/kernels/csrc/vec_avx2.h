@@ -107,9 +107,7 @@ struct Q {
   __m256i lo, hi;
 };
 
-// q4_1_a8's interleaved groups: vec_avx512.h's codes on two registers (columns 0-7, 8-15), and
-// its integer dot product as maddubs (u8 codes 0-15 x s8: pair sums at most 2 * 15 * 127, never
-// saturating) then madd with ones: the same integers.
+// q4_1_a8: vec_avx512.h's low and high codes (u8, 0-15) on two registers.
 SS_INLINE void qnibbles(const uint8_t* p, Q& lo, Q& hi) {
   const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
