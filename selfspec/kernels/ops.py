@@ -136,12 +136,11 @@ def linear_a8_fallback(
     y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes what the C++
     kernel computes, in another order. # [M, N] float32"""
     n, blocks = codes.shape[0], codes.shape[1]
-    weight = weight.row_major()
-    if weight.format == "q4_1":
-        scale, minimum = weight.scale, weight.minimum
-    else:
+    # The scale tables of an interleaved weight are [groups, N] (its codes are not needed here).
+    scale = weight.scale.t()
+    minimum = None if weight.minimum is None else weight.minimum.t()
+    if weight.stored != "q4_1":
         per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
-        scale = weight.scale
         if per_block:  # one scale per `per_block` blocks (the row's last group may be shorter)
             scale = scale.repeat_interleave(per_block, 1)[:, :blocks]
         scale, minimum = scale.expand(n, blocks), None

@@ -69,7 +69,7 @@ class KernelWeight:
         }[stored]
         if self.format in STORED_AS:
             _check_int8_activations(self.format, k, self.group)
-            runs = 4 if stored == "q4_1" else 8  # 64-byte runs per group and block
+            runs = _interleaved_runs(stored)
             expected = (expected[0], (-(-n // COLUMN_GROUP), k // ACTIVATION_BLOCK, runs, 64))
         if self.data.dtype != expected[0] or tuple(self.data.shape) != expected[1]:
             raise ValueError(
@@ -161,7 +161,7 @@ class KernelWeight:
         if self.format not in STORED_AS:
             return self
         n, blocks = self.out_features, self.in_features // ACTIVATION_BLOCK
-        runs = 4 if self.stored == "q4_1" else 8
+        runs = _interleaved_runs(self.stored)
         # [G, blocks, runs, 16 columns, 4 bytes] -> [G, 16, blocks, runs, 4] -> [N, ...]
         data = self.data.view(-1, blocks, runs, COLUMN_GROUP, 4).permute(0, 3, 1, 2, 4)
         data = data.reshape(-1, blocks, runs * 4)[:n]
@@ -198,7 +198,7 @@ def interleave(weight: KernelWeight) -> KernelWeight:
     and minimum transposed to [groups, N]. The last group is padded with zero columns."""
     n, blocks = weight.out_features, weight.in_features // ACTIVATION_BLOCK
     groups = -(-n // COLUMN_GROUP)
-    runs = 4 if weight.format == "q4_1" else 8
+    runs = _interleaved_runs(weight.format)
     data = torch.zeros(groups * COLUMN_GROUP, blocks * runs * 4, dtype=weight.data.dtype)
     data[:n] = weight.data.reshape(n, blocks * runs * 4)
     # [G, 16 columns, blocks, runs, 4 bytes] -> [G, blocks, runs, 16, 4]
@@ -211,6 +211,11 @@ def interleave(weight: KernelWeight) -> KernelWeight:
         scale=weight.scale.t().contiguous(),
         minimum=minimum,
     )
+
+
+def _interleaved_runs(stored: str) -> int:
+    """64-byte runs per group of 16 columns and block of 32 codes: 4 of nibbles, 8 of int8."""
+    return 4 if stored == "q4_1" else 8
 
 
 def _check_int8_activations(format: str, k: int, group: int) -> None:

@@ -281,12 +281,43 @@ SS_INLINE V add_block(V acc, V sum, V s, V mn, float d, float S) {
 template <int64_t FORMAT>
 constexpr int64_t kGroupBlockBytes = FORMAT == kQ4_1_A8 ? 256 : 512;
 
+// Block b's scales `s` and (Q4_1) minimums `mn` of the 16 columns from n0 (`live` of them real;
+// the rest read as 0), with the next group's lines prefetched (a line per block each, N floats
+// apart; the codes are one stream, prefetched by the callers).
+template <int64_t FORMAT>
+SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, int live, V& s, V& mn) {
+  const int64_t N = p.N;
+  // The scale row of block b ([K / group, N]; per-channel int8: one row).
+  const int64_t row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
+  const float* scale = p.scale + row * N + n0;
+  _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
+  s = live == 16 ? vload(scale) : vload_n(scale, live);
+  mn = vzero();
+  if constexpr (FORMAT == kQ4_1_A8) {
+    const float* minimum = p.minimum + b * N + n0;
+    _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
+    mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+  }
+}
+
+// Rows [m, m + rows) of the 16 columns from n0 (the first `columns` of them real) into y, with
+// the bias.
+SS_INLINE void store_group_rows(const LinearParams& p, int64_t m, int rows, int64_t n0,
+                                int columns, const V* out) {
+  for (int r = 0; r < rows; ++r) {
+    alignas(64) float lanes[16];
+    vstore(lanes, out[r]);
+    float* y = p.y + (m + r) * p.N + n0;
+    for (int c = 0; c < columns; ++c) y[c] = p.bias ? lanes[c] + p.bias[n0 + c] : lanes[c];
+  }
+}
+
 // Rows m.. (R of them) of the 16 columns of interleaved group g, into out[r].
 template <int R, int64_t FORMAT>
 SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
   constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
-  const int64_t blocks = p.K / 32, N = p.N, n0 = 16 * g;
-  const int live = static_cast<int>(min64(16, N - n0));
+  const int64_t blocks = p.K / 32, n0 = 16 * g;
+  const int live = static_cast<int>(min64(16, p.N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   V acc[R];
 #pragma GCC unroll 16
@@ -301,24 +332,14 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) codes[t] = qcodes_i8(w + b * bytes + 64 * t);
     }
-    // The scale row of block b ([K / group, N]; per-channel int8: one row).
-    const int64_t scale_row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
-    const float* scale = p.scale + scale_row * N + n0;
-    const float* minimum = FORMAT == kQ4_1_A8 ? p.minimum + b * N + n0 : nullptr;
-    // Four groups ahead, on their way: the codes (one stream) and the scales and minimums (a
-    // line per block each, N floats apart).
+    // Four groups ahead, on their way.
     const uint8_t* ahead = w + (4 * blocks + b) * bytes;
 #pragma GCC unroll 8
     for (int64_t line = 0; line < bytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     }
-    _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
-    const V s = live == 16 ? vload(scale) : vload_n(scale, live);
-    V mn = vzero();
-    if constexpr (FORMAT == kQ4_1_A8) {
-      _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
-      mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
-    }
+    V s, mn;
+    block_scales<FORMAT>(p, b, n0, live, s, mn);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
@@ -360,19 +381,13 @@ SS_INLINE void group_rows(int rows, const LinearParams& p, int64_t m, int64_t g,
 // The *_A8 formats' columns [n_begin, n_end), n_begin a multiple of 16: whole groups, every row.
 template <int64_t FORMAT>
 static void linear_groups_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
-  const int64_t M = p.M, N = p.N;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int columns = static_cast<int>(min64(16, n_end - n0));
-    for (int64_t m = 0; m < M; m += kQGroupRows) {
-      const int rows = static_cast<int>(min64(kQGroupRows, M - m));
+    for (int64_t m = 0; m < p.M; m += kQGroupRows) {
+      const int rows = static_cast<int>(min64(kQGroupRows, p.M - m));
       V out[kQGroupRows];
       group_rows<kQGroupRows, FORMAT>(rows, p, m, n0 / 16, out);
-      for (int r = 0; r < rows; ++r) {
-        alignas(64) float lanes[16];
-        vstore(lanes, out[r]);
-        float* y = p.y + (m + r) * N + n0;
-        for (int c = 0; c < columns; ++c) y[c] = p.bias ? lanes[c] + p.bias[n0 + c] : lanes[c];
-      }
+      store_group_rows(p, m, rows, n0, columns, out);
     }
   }
 }

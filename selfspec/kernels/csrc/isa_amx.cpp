@@ -63,14 +63,13 @@ void spread_group(const LinearParams& p, int64_t g, uint8_t* spread) {
 // `spread`: Q4_1_A8's codes as bytes (spread_group).
 template <int64_t FORMAT>
 void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uint8_t* spread,
-                float (*out)[16]) {
+                V* out) {
   constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
-  const int64_t K = p.K, blocks = K / 32, N = p.N, n0 = 16 * g;
-  const int live = static_cast<int>(min64(16, N - n0));
+  const int64_t K = p.K, blocks = K / 32, n0 = 16 * g;
+  const int live = static_cast<int>(min64(16, p.N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   alignas(64) int32_t sums[16 * 16];
-  V acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = vzero();
+  for (int r = 0; r < rows; ++r) out[r] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* ahead = w + (4 * blocks + b) * bytes;  // four groups on
     for (int64_t line = 0; line < bytes; line += 64) {
@@ -78,49 +77,40 @@ void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uin
     }
     _tile_zero(0);
     _tile_loadd(1, p.xq + m * K + 32 * b, K);
-    V mn = vzero();
     if constexpr (FORMAT == kQ4_1_A8) {
       _tile_loadd(2, spread + b * 512, 64);
       _tile_dpbsud(0, 1, 2);  // s8 x u8
-      const float* minimum = p.minimum + b * N + n0;
-      mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
     } else {
       _tile_loadd(2, w + b * bytes, 64);
       _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
     }
     _tile_stored(0, sums, 64);
-    const int64_t scale_row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
-    const float* scale = p.scale + scale_row * N + n0;
-    const V s = live == 16 ? vload(scale) : vload_n(scale, live);
+    V s, mn;
+    block_scales<FORMAT>(p, b, n0, live, s, mn);
     for (int r = 0; r < rows; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
       const V sum = {_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r))};
-      acc[r] = add_block<FORMAT>(acc[r], sum, s, mn, p.x_scales[row_block], p.x_sums[row_block]);
+      out[r] = add_block<FORMAT>(out[r], sum, s, mn, p.x_scales[row_block], p.x_sums[row_block]);
     }
   }
-  for (int r = 0; r < rows; ++r) vstore(out[r], acc[r]);
 }
 
 template <int64_t FORMAT>
 void linear_groups(const LinearParams& p, int64_t n_begin, int64_t n_end) {
-  const int64_t M = p.M, N = p.N;
   int configured = 0;
   uint8_t* spread = FORMAT == kQ4_1_A8 ? static_cast<uint8_t*>(std::aligned_alloc(64, p.K / 32 * 512)) : nullptr;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int columns = static_cast<int>(min64(16, n_end - n0));
     if constexpr (FORMAT == kQ4_1_A8) spread_group(p, n0 / 16, spread);
-    for (int64_t m = 0; m < M; m += 16) {
-      const int rows = static_cast<int>(min64(16, M - m));
+    for (int64_t m = 0; m < p.M; m += 16) {
+      const int rows = static_cast<int>(min64(16, p.M - m));
       if (rows != configured) {
         configure(rows);
         configured = rows;
       }
-      alignas(64) float out[16][16];
+      V out[16];
       group_rows<FORMAT>(p, m, rows, n0 / 16, spread, out);
-      for (int r = 0; r < rows; ++r) {
-        float* y = p.y + (m + r) * N + n0;
-        for (int c = 0; c < columns; ++c) y[c] = p.bias ? out[r][c] + p.bias[n0 + c] : out[r][c];
-      }
+      store_group_rows(p, m, rows, n0, columns, out);
     }
   }
   _tile_release();
