@@ -10,7 +10,6 @@ from each other: a process uses one of them throughout, so speculative and plain
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
@@ -80,33 +79,29 @@ def linear_rows(
     )
 
 
-_SELECTED: weakref.WeakKeyDictionary[KernelWeight, tuple[torch.Tensor, KernelWeight]] = (
+SELECTIONS_KEPT = 8  # row selections kept per interleaved weight (one per draft vocabulary)
+_SELECTED: weakref.WeakKeyDictionary[KernelWeight, list[tuple[torch.Tensor, KernelWeight]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _selected_rows(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
-    """An interleaved weight's rows ``rows`` as a weight of their own (the last one kept)."""
-    kept = _SELECTED.get(weight)
-    if kept is not None and kept[0].shape == rows.shape and torch.equal(kept[0], rows):
-        return kept[1]
+    """An interleaved weight's rows ``rows`` as a weight of their own; the last
+    ``SELECTIONS_KEPT`` selections of each weight are kept (adapters with their own draft
+    vocabularies take turns)."""
+    kept = _SELECTED.setdefault(weight, [])
+    for i, (chosen, selected) in enumerate(kept):
+        if chosen.shape == rows.shape and torch.equal(chosen, rows):
+            kept.append(kept.pop(i))  # most recently used last
+            return selected
     if rows.numel() and not (int(rows.min()) >= 0 and int(rows.max()) < weight.out_features):
         raise RuntimeError(
             f"rows must lie in [0, {weight.out_features}), got [{int(rows.min())}, "
             f"{int(rows.max())}]"
         )
-    plain = weight.row_major()
-    index = rows.long()
-    minimum = None if plain.minimum is None else plain.minimum[index].contiguous()
-    selected = dataclasses.replace(
-        plain,
-        data=plain.data[index].contiguous(),
-        out_features=rows.numel(),
-        scale=plain.scale[index].contiguous(),
-        minimum=minimum,
-    )
-    selected = activations_int8(selected)
-    _SELECTED[weight] = (rows.clone(), selected)
+    selected = activations_int8(weight.row_major(rows.long()))
+    kept.append((rows.clone(), selected))
+    del kept[:-SELECTIONS_KEPT]
     return selected
 
 

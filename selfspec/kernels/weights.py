@@ -155,24 +155,39 @@ class KernelWeight:
             **rows,
         )
 
-    def row_major(self) -> KernelWeight:
+    def row_major(self, rows: torch.Tensor | None = None) -> KernelWeight:
         """The weight in its stored format's plain layout (an interleaved one's undone; the
-        others as they are)."""
-        if self.format not in STORED_AS:
+        others as they are), of output rows ``rows`` only if given (int64 [N'], each in
+        [0, N): only those rows are copied)."""
+        if self.format not in STORED_AS and rows is None:
             return self
+        if self.format not in STORED_AS:
+            minimum = None if self.minimum is None else self.minimum[rows].contiguous()
+            return dataclasses.replace(
+                self,
+                data=self.data[rows].contiguous(),
+                out_features=rows.numel(),
+                scale=self.scale[rows].contiguous(),
+                minimum=minimum,
+            )
         n, blocks = self.out_features, self.in_features // ACTIVATION_BLOCK
         runs = _interleaved_runs(self.stored)
-        # [G, blocks, runs, 16 columns, 4 bytes] -> [G, 16, blocks, runs, 4] -> [N, ...]
-        data = self.data.view(-1, blocks, runs, COLUMN_GROUP, 4).permute(0, 3, 1, 2, 4)
-        data = data.reshape(-1, blocks, runs * 4)[:n]
+        if rows is None:
+            rows = torch.arange(n)
+        # [G, blocks, runs, 16 columns, 4 bytes] -> [N', blocks, runs, 4]: row r is column
+        # r % 16 of group r // 16
+        data = self.data.view(-1, blocks, runs, COLUMN_GROUP, 4)
+        data = data[rows // COLUMN_GROUP, :, :, rows % COLUMN_GROUP]
+        data = data.reshape(rows.numel(), blocks, runs * 4)
         if self.stored == "int8":
-            data = data.reshape(n, self.in_features)
-        minimum = None if self.minimum is None else self.minimum.t().contiguous()
+            data = data.reshape(rows.numel(), self.in_features)
+        minimum = None if self.minimum is None else self.minimum[:, rows].t().contiguous()
         return dataclasses.replace(
             self,
             format=self.stored,
             data=data.contiguous(),
-            scale=self.scale.t().contiguous(),
+            out_features=rows.numel(),
+            scale=self.scale[:, rows].t().contiguous(),
             minimum=minimum,
         )
 

@@ -277,6 +277,10 @@ def test_selected_rows_are_the_full_products_columns(fmt: str) -> None:
         x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
         assert torch.equal(ops.linear_rows(x, weight, rows), ops.linear(x, weight)[:, rows])
     assert ops.linear_rows(x, weight, rows[:0]).shape == (9, 0)
+    # Selections taking turns (adapters with their own draft vocabularies): each still exact.
+    other = torch.tensor([3, 17, 16, 15])
+    for chosen in (rows, other, rows, other):
+        assert torch.equal(ops.linear_rows(x, weight, chosen), ops.linear(x, weight)[:, chosen])
     module = extension.load()
     with pytest.raises(RuntimeError, match=r"rows must lie in \[0, 130\)"):
         ops.linear_rows(x, weight, torch.tensor([3, 130]))
