@@ -30,27 +30,31 @@ from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-CONFIGS = {  # name: (dtype, kernels, instruction-set path or None, GGUF blocks in float32)
-    "torch fp32": ("float32", False, None, False),
-    "torch bf16 (packed)": ("bfloat16", False, None, False),
-    "kernels fp32, dense": ("float32", None, None, False),
-    "kernels fp32, GGUF blocks": ("float32", None, None, True),
-    "kernels bf16": ("bfloat16", None, None, False),
-    "kernels int8": ("int8", None, None, False),
-    "kernels int4": ("int4", None, None, False),
-    "kernels w4a8 (int8 activations)": ("w4a8", None, None, False),
-    "kernels fp32 dense, forced avx2": ("float32", None, "avx2", False),
-    "kernels int4, forced avx2": ("int4", None, "avx2", False),
+# name: (dtype, kernels, instruction-set path or None, GGUF blocks in float32, float32's
+# activations: TargetSpec.activations)
+CONFIGS = {
+    "torch fp32": ("float32", False, None, False, "auto"),
+    "torch bf16 (packed)": ("bfloat16", False, None, False, "auto"),
+    "kernels fp32, dense": ("float32", None, None, False, "auto"),
+    "kernels fp32, GGUF blocks": ("float32", None, None, True, "float"),
+    "kernels fp32, GGUF blocks, int24 activations": ("float32", None, None, True, "int24"),
+    "kernels bf16": ("bfloat16", None, None, False, "auto"),
+    "kernels int8": ("int8", None, None, False, "auto"),
+    "kernels int4": ("int4", None, None, False, "auto"),
+    "kernels w4a8 (int8 activations)": ("w4a8", None, None, False, "auto"),
+    "kernels fp32 dense, forced avx2": ("float32", None, "avx2", False, "auto"),
+    "kernels int4, forced avx2": ("int4", None, "avx2", False, "auto"),
 }
 
 
 def measure(name: str, threads: int, repeats: int) -> dict:
-    dtype, kernels, isa, blocks = CONFIGS[name]
+    dtype, kernels, isa, blocks, activations = CONFIGS[name]
     if isa is not None:
         os.environ[extension.ISA_ENV] = isa
     try:
         torch.set_num_threads(threads)
-        target = load_target(TargetSpec(dtype=dtype, kernels=kernels, gguf_blocks=blocks))
+        spec = TargetSpec(dtype=dtype, kernels=kernels, gguf_blocks=blocks, activations=activations)
+        target = load_target(spec)
         curve = measure_cost_curve(TargetForward(target.model), SIZES, repeats=repeats)
     finally:
         os.environ.pop(extension.ISA_ENV, None)

@@ -52,7 +52,8 @@ def main() -> int:
     prompts = [row["prompt"] for row in rows[: args.num_prompts]]
     results = []
     for dtype in args.dtypes:
-        target = load_target(TargetSpec(dtype=dtype))
+        name, _, activations = dtype.partition(":")  # float32:float / float32:int24
+        target = load_target(TargetSpec(dtype=name, activations=activations or "auto"))
         heads = load_heads(shipped_heads_dir("eagle"), target.model)
         curve = machine_cost_curve(target.model)
         generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)

@@ -136,7 +136,14 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
     packing = PACKING[args.packed_weights]
     n = args.max_new_tokens
     for dtype in args.dtypes:
-        spec = TargetSpec(dtype=dtype, threads=args.threads, kernels=KERNELS[args.kernels])
+        # "float32:float" / "float32:int24": float32 with that activation arithmetic
+        name, _, activations = dtype.partition(":")
+        spec = TargetSpec(
+            dtype=name,
+            threads=args.threads,
+            kernels=KERNELS[args.kernels],
+            activations=activations or "auto",
+        )
         target = load_target(spec)
         if dtype in HF_DTYPES:
             # HF's baselines run the model as HF ships it: its own ops, unpacked weights.
@@ -211,7 +218,13 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        help="modes; float32:float / float32:int24 pick float32's activation arithmetic "
+        "(TargetSpec.activations; plain float32: auto)",
+    )
     parser.add_argument(
         "--heads", nargs="+", default=["eagle", "medusa"], help="'eagle', 'medusa' or heads dirs"
     )

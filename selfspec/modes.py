@@ -11,6 +11,23 @@ DTYPE_HELP = (
     "as llama.cpp computes, lossy, cheaper trees). In every mode speculative output equals "
     "vanilla output token for token"
 )
+ACTIVATION_NAMES = ("auto", "float", "int24")
+ACTIVATIONS_HELP = (
+    "float32 from a GGUF file's quantized blocks: float (each block dequantized, fp32 "
+    "multiply-adds: the dense fp32 results bit for bit) | int24 (each block of 32 activations as "
+    "24-bit integers under a power-of-two scale, integer dot products: float32-grade, faster "
+    "where the CPU has AVX-512 VNNI or AMX) | auto (the default: int24 where it is faster, else "
+    "float). Speculation is exact either way"
+)
+
+
+def check_activations(activations: str, flag: str = "--activations") -> None:
+    if activations not in ACTIVATION_NAMES:
+        raise ValueError(
+            f"{flag} must be one of {', '.join(ACTIVATION_NAMES)}, got {activations!r}"
+        )
+
+
 KERNELS_HELP = (
     "run linear layers and attention through selfspec's row-invariant kernels (default: on, "
     "the C++ kernels where they build, else a pure-torch fallback); --no-kernels: "
@@ -45,11 +62,16 @@ def check_device(device: str, flag: str = "--device") -> None:
 
 
 def cpu_only_reason(
-    dtype: str, kernels: bool | None, packed_weights: bool | None = None
+    dtype: str,
+    kernels: bool | None,
+    packed_weights: bool | None = None,
+    activations: str = "auto",
 ) -> str | None:
     """What of a target's options runs on the CPU only (named for an error), or None."""
     if dtype in ("int8", "int4", "w4a8"):
         return f"dtype {dtype!r} (it computes through the C++ CPU kernels)"
+    if activations == "int24":
+        return "activations 'int24' (it computes through the C++ CPU kernels)"
     if kernels is True:
         return "kernels=True (the row-invariant kernels are CPU code)"
     if packed_weights is True:

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from selfspec.modes import check_device, check_dtype, cpu_only_reason
+from selfspec.modes import check_activations, check_device, check_dtype, cpu_only_reason
 from selfspec.packed_linear import pack_linears, packing_available
 from selfspec.paths import cache_root
 
@@ -93,6 +93,15 @@ class TargetSpec:
     dequantized, so the results are the dense fp32 results bit for bit (checked tensor by
     tensor at load; a tensor that does not reproduce stays dense), from a fraction of the bytes
     per forward. False: the dense fp32 weights."""
+    activations: str = "auto"
+    """float32 from a GGUF file's blocks: how the activations meet them. "float": each block
+    dequantized to fp32, fp32 multiply-adds (the dense fp32 results bit for bit); "int24": each
+    row's block of 32 activations as 24-bit integers under a power-of-two scale (every element
+    kept to 2^-22 of its block's largest magnitude, fp32's own rounding being 2^-24 of itself),
+    integer dot products summed exactly: float32-grade, within float noise of "float" but not
+    bit-equal to it, and still row-invariant (speculation stays exact), with the same bits on
+    every instruction-set path. "auto": "int24" where it is faster (the AVX-512 path with VNNI:
+    `selfspec.kernels.extension.integer_activations_pay`), else "float"."""
     device: str = "cpu"
     """Where the model runs: "cpu"; "cuda" or "cuda:N"; "auto": cuda when torch sees a GPU and
     the mode runs there, else cpu. The CPU is the default because the row-invariant kernels run
@@ -136,6 +145,13 @@ class TargetSpec:
                 "TargetSpec.packed_weights must be None, True or False, "
                 f"got {self.packed_weights!r}"
             )
+        check_activations(self.activations, "TargetSpec.activations")
+        if self.activations == "int24" and (self.dtype != "float32" or self.kernels is False):
+            raise ValueError(
+                "TargetSpec.activations='int24' is float32's arithmetic through the kernels "
+                f"(dtype='float32', kernels not False); got dtype={self.dtype!r}, "
+                f"kernels={self.kernels!r}"
+            )
         check_device(self.device, "TargetSpec.device")
         cpu_only = self.cpu_only_reason()
         if cpu_only is not None and self.device.startswith("cuda"):
@@ -156,7 +172,7 @@ class TargetSpec:
 
     def cpu_only_reason(self) -> str | None:
         """What in this spec runs on the CPU only (named for an error), or None."""
-        return cpu_only_reason(self.dtype, self.kernels, self.packed_weights)
+        return cpu_only_reason(self.dtype, self.kernels, self.packed_weights, self.activations)
 
     def resolve_device(self) -> torch.device:
         """The device `load_target` puts the model on; a `TargetLoadError` when the GPU asked
@@ -278,7 +294,9 @@ def require_kernels() -> None:
 
 def _install_kernels(model: PreTrainedModel, spec: TargetSpec, source: Path) -> None:
     """Every linear layer through the kernels; from a GGUF file, its own quantized blocks where
-    the mode computes with them (int4, w4a8, int8; float32 with `gguf_blocks`, exact)."""
+    the mode computes with them (int4, w4a8, int8; float32 with `gguf_blocks`, exact, its
+    activations as `spec.activations` says)."""
+    from selfspec.kernels import extension
     from selfspec.kernels.gguf import Q4_1_TYPE, Q8_0_TYPE, GGUFWeightError, gguf_kernel_weights
     from selfspec.kernels.modules import install_kernels
 
@@ -297,7 +315,16 @@ def _install_kernels(model: PreTrainedModel, spec: TargetSpec, source: Path) -> 
             given = gguf_kernel_weights(source, model, types, strict=strict)
         except GGUFWeightError as err:
             raise TargetLoadError(str(err)) from err
-    install_kernels(model, spec.dtype, output_layer=model.get_output_embeddings(), given=given)
+    activations = spec.activations
+    if activations == "auto":
+        activations = "int24" if extension.integer_activations_pay() else "float"
+    install_kernels(
+        model,
+        spec.dtype,
+        output_layer=model.get_output_embeddings(),
+        given=given,
+        activations=activations,
+    )
 
 
 def default_gguf_path() -> Path:

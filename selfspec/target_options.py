@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from selfspec.modes import (
+    ACTIVATIONS_HELP,
     DEVICE_HELP,
     DTYPE_HELP,
     KERNELS_HELP,
+    check_activations,
     check_device,
     check_dtype,
     cpu_only_reason,
@@ -31,14 +33,21 @@ class TargetOptions:
         metadata={"help": "local HF model dir or .gguf file; omit for the embedded SmolLM2"},
     )
     dtype: str = field(default="float32", metadata={"help": DTYPE_HELP})
+    activations: str = field(default="auto", metadata={"help": ACTIVATIONS_HELP})
     kernels: bool | None = field(default=None, metadata={"help": KERNELS_HELP})
     device: str = field(default="cpu", metadata={"help": DEVICE_HELP})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        check_activations(self.activations)
+        if self.activations == "int24" and (self.dtype != "float32" or self.kernels is False):
+            raise ValueError(
+                "--activations int24 is float32's arithmetic through the kernels: use it with "
+                "--dtype float32 and without --no-kernels"
+            )
         check_device(self.device)
-        cpu_only = cpu_only_reason(self.dtype, self.kernels)
+        cpu_only = cpu_only_reason(self.dtype, self.kernels, activations=self.activations)
         if cpu_only is not None and self.device.startswith("cuda"):
             raise ValueError(
                 f"--device {self.device} does not run {cpu_only}; on a GPU use --dtype float32 "
@@ -56,6 +65,7 @@ class TargetOptions:
         return TargetSpec(
             model=self.model,
             dtype=self.dtype,
+            activations=self.activations,
             kernels=self.kernels,
             threads=self.threads,
             device=self.device,

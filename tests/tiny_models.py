@@ -89,3 +89,20 @@ def save_tiny_target(path: Path, arch: str = "llama", seed: int = 0) -> Path:
     make_tiny_model(arch, seed).save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def install_block_kernels(model: PreTrainedModel, activations: str) -> None:
+    """float32 mode on quantized blocks of the model's own weights, as a GGUF file gives them
+    (Q4_1, the output layer Q8_0-like int8 in groups of 32), computing with ``activations``
+    ("float" or "int24"); every linear layer takes its blocks (hidden 32)."""
+    from selfspec.kernels.modules import install_kernels
+    from selfspec.kernels.weights import quantize_int8, quantize_q4_1
+
+    output = model.get_output_embeddings()
+    given = {
+        layer: quantize_int8(layer.weight, 32) if layer is output else quantize_q4_1(layer.weight)
+        for layer in model.modules()
+        if type(layer) is torch.nn.Linear and layer.in_features % 32 == 0
+    }
+    assert given, "no layer takes blocks"
+    install_kernels(model, "float32", output_layer=output, given=given, activations=activations)

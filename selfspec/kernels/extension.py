@@ -8,7 +8,7 @@ imported, and a failed build never breaks an import: the callers fall back to pu
 
 Environment: ``SELFSPEC_KERNELS=torch`` never loads the extension (the pure-torch fallback, for
 comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU;
-``SELFSPEC_KERNEL_AMX=0`` keeps the int8-activation formats off the AMX tiles (the same bits
+``SELFSPEC_KERNEL_AMX=0`` keeps the integer-activation formats off the AMX tiles (the same bits
 either way).
 """
 
@@ -113,6 +113,15 @@ def active_isa() -> str | None:
     return isa
 
 
+def integer_activations_pay() -> bool:
+    """Whether float32's 24-bit integer activations (``TargetSpec.activations="int24"``) run
+    faster here than float ones at every tree size: the C++ kernels on the AVX-512 path of a CPU
+    with VNNI (AVX2's integer dot products, ``maddubs``, are slower than its float multiply-adds
+    from ~4 rows on)."""
+    module = load()
+    return module is not None and active_isa() == "avx512" and bool(module.vnni_ready())
+
+
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
         f"selfspec's C++ kernels are not available ({reason}); using the pure-torch fallback, "
@@ -127,7 +136,7 @@ def main() -> None:
     built = load()
     paths = f"built, paths {built.supported_isas()}" if built else "not built: the torch fallback"
     if built and built.amx_ready():
-        paths += " + AMX tiles (int8_a8 from 8 rows, q4_1_a8 from 12)"
+        paths += " + AMX tiles (int8_a8 and the *_a24 formats from 8 rows, q4_1_a8 from 12)"
     print(f"selfspec kernels: {paths}")
 
 

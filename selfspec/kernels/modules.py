@@ -10,7 +10,10 @@ in their own dtype.
 
 Modes (what ``TargetSpec.dtype`` names):
 
-- ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32.
+- ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32;
+  float32 from a GGUF file's blocks (``given``) reads those, dequantized in the kernel, or with
+  ``activations="int24"`` computes with each block of 32 activations as 24-bit integers under a
+  power-of-two scale (float32-grade, integer dot products: faster where the CPU has VNNI).
 - ``int8``: per-output-channel int8 codes (weight-only; activations stay fp32).
 - ``int4``: Q4_1 blocks (4-bit codes, scale and minimum per 32 weights) for every layer but the
   output layer, which is int8 with a scale per 32 weights (as GGUF's Q8_0). From a GGUF file the
@@ -38,8 +41,9 @@ from torch.nn import functional as F
 from selfspec.kernels import extension, ops
 from selfspec.kernels.weights import (
     KernelWeight,
-    activations_int8,
+    activation_suffix,
     dense_weight,
+    integer_activations,
     quantize_int8,
     quantize_q4_1,
 )
@@ -72,7 +76,7 @@ class KernelLinear(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])  # [M, K]
             if kernel_weight.stored != kernel_weight.format:  # int8 activations
                 bias = None if self.bias is None else self.bias.float()
-                out = ops.linear_a8_fallback(rows, kernel_weight, self._dense(), bias)
+                out = ops.linear_int_fallback(rows, kernel_weight, self._dense(), bias)
                 return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
             dense = self._dense()
             bias = None if self.bias is None else self.bias.to(dense.dtype)
@@ -102,15 +106,16 @@ class KernelLinear(nn.Linear):
         if self._fallback_dense is None:
             weight = self.kernel_weight()
             if weight.stored != weight.format:
-                self._fallback_dense = ops.a8_weight_codes(weight)
+                self._fallback_dense = ops.integer_weight_codes(weight)
             else:
                 self._fallback_dense = weight.dequantized()
         return self._fallback_dense
 
 
 def _convert(weight: torch.Tensor, kind: str) -> KernelWeight:
-    if kind.endswith("_a8"):
-        return activations_int8(_convert(weight, kind.removesuffix("_a8")))
+    suffix = activation_suffix(kind)
+    if suffix:
+        return integer_activations(_convert(weight, kind.removesuffix(suffix)), suffix)
     if kind == "dense":
         return dense_weight(weight)
     if kind == "int8":
@@ -120,17 +125,25 @@ def _convert(weight: torch.Tensor, kind: str) -> KernelWeight:
     return quantize_q4_1(weight)
 
 
+ACTIVATIONS = ("float", "int24")  # how float32 mode's quantized weights meet the activations
+
+
 def install_kernels(
     model: nn.Module,
     mode: str,
     output_layer: nn.Module | None = None,
     given: Mapping[nn.Module, KernelWeight] | None = None,
+    activations: str = "float",
 ) -> int:
     """Turn every plain ``nn.Linear`` under ``model`` into a ``KernelLinear`` in ``mode`` (one of
     ``MODES``). ``output_layer``: the layer int4 mode keeps at 8 bits. ``given``: kernel weights
-    to use as they are for some layers (a GGUF file's own blocks). Returns how many."""
+    to use as they are for some layers (a GGUF file's own blocks). ``activations``: "int24" has
+    float32 mode's given quantized weights compute with 24-bit integer activations
+    (``activations_int24``; a layer whose weight cannot stays as it is). Returns how many."""
     if mode not in MODES:
         raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     given = given or {}
     count = 0
     for sub in list(model.modules()):
@@ -138,8 +151,8 @@ def install_kernels(
             continue
         kind = _kind_for(sub, mode, sub is output_layer)
         kernel_weight = given.get(sub)
-        if kernel_weight is not None and kind.endswith("_a8"):
-            kernel_weight = activations_int8(kernel_weight)
+        if kernel_weight is not None:
+            kernel_weight = _with_activations(kernel_weight, kind, mode, activations, sub)
         if kernel_weight is None:
             if kind == "dense" and sub.weight.dtype != _dense_dtype(mode):
                 raise ValueError(
@@ -153,6 +166,23 @@ def install_kernels(
         sub._fallback_dense = None
         count += 1
     return count
+
+
+def _with_activations(
+    weight: KernelWeight, kind: str, mode: str, activations: str, layer: nn.Module
+) -> KernelWeight:
+    """A given weight computing with the activations its layer's kind (or float32's
+    ``activations``) asks for."""
+    suffix = activation_suffix(kind)
+    if suffix:
+        return integer_activations(weight, suffix)
+    if mode != "float32" or activations == "float" or weight.format not in ("q4_1", "int8"):
+        return weight
+    try:
+        return integer_activations(weight, "_a24")
+    except ValueError as err:  # e.g. an int8 code of -128, or K not a multiple of 32
+        logger.warning("%s keeps float activations: %s", layer, err)
+        return weight
 
 
 def _dense_dtype(mode: str) -> torch.dtype:

@@ -20,7 +20,8 @@ from selfspec.kernels.weights import (
     ACTIVATION_BLOCK,
     STORED_AS,
     KernelWeight,
-    activations_int8,
+    activation_suffix,
+    integer_activations,
 )
 
 FALLBACK_ROW_LIMIT = 64
@@ -61,7 +62,8 @@ def linear_rows(
     """``x @ weight[rows].T`` through the C++ kernel, reading only those weight rows in place
     (nothing gathered): each column has the bits of the full product's column. # [..., N']
 
-    An interleaved weight (q4_1_a8, int8_a8: columns in groups of 16) has its rows gathered
+    An interleaved weight (q4_1_a8, int8_a8, q4_1_a24, int8_a24: columns in groups of 16) has
+    its rows gathered
     into a new one first, kept for the next call with the same rows (a draft vocabulary is
     asked for at every draft step): its kernel computes every column alone, so the bits are
     the same."""
@@ -99,7 +101,7 @@ def _selected_rows(weight: KernelWeight, rows: torch.Tensor) -> KernelWeight:
             f"rows must lie in [0, {weight.out_features}), got [{int(rows.min())}, "
             f"{int(rows.max())}]"
         )
-    selected = activations_int8(weight.row_major(rows.long()))
+    selected = integer_activations(weight.row_major(rows.long()), activation_suffix(weight.format))
     kept.append((rows.clone(), selected))
     del kept[:-SELECTIONS_KEPT]
     return selected
@@ -120,16 +122,17 @@ def linear_fallback(
     return torch.cat([F.linear(x[i : i + 1].clone(), dense, bias) for i in range(rows)])
 
 
-def linear_a8_fallback(
+def linear_int_fallback(
     x: torch.Tensor,  # [M, K] float32
-    weight: KernelWeight,  # an int8_a8 or q4_1_a8 weight
-    codes: torch.Tensor,  # [N, K / 32, 32] float32: the weight's codes (``a8_weight_codes``)
+    weight: KernelWeight,  # an integer-activation weight (int8_a8, q4_1_a8, int8_a24, q4_1_a24)
+    codes: torch.Tensor,  # [N, K / 32, 32] float32: the weight's codes (``integer_weight_codes``)
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """The int8-activation formats in pure torch, row by row (row-invariant): each row's blocks
-    of 32 quantized (d = max|x| / 127, codes round(x / d)), exact integer block sums, then
-    y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes what the C++
-    kernel computes, in another order. # [M, N] float32"""
+    """The integer-activation formats in pure torch, row by row (row-invariant): each row's
+    blocks of 32 quantized (``_a8``: d = max|x| / 127, codes round(x / d); ``_a24``: d = 2^(e-22)
+    for the block's largest magnitude in [2^(e-1), 2^e), codes round(x / d)), exact integer
+    block sums, then y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes
+    what the C++ kernel computes, in another order. # [M, N] float32"""
     n, blocks = codes.shape[0], codes.shape[1]
     # The scale tables of an interleaved weight are [groups, N] (its codes are not needed here).
     scale = weight.scale.t()
@@ -139,12 +142,12 @@ def linear_a8_fallback(
         if per_block:  # one scale per `per_block` blocks (the row's last group may be shorter)
             scale = scale.repeat_interleave(per_block, 1)[:, :blocks]
         scale, minimum = scale.expand(n, blocks), None
+    wide = activation_suffix(weight.format) == "_a24"
     out = []
     for row in x.float().view(-1, blocks, ACTIVATION_BLOCK):  # [blocks, 32]
-        d = row.abs().amax(dim=-1) / 127.0  # [blocks]
-        inverse = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
-        row_codes = torch.round(row * inverse[:, None]).clamp(-127, 127)
-        sums = torch.einsum("bk,nbk->nb", row_codes, codes)  # exact integers
+        d, row_codes = _quantized_blocks(row, wide)
+        # exact integers (float64 holds the _a24 sums, up to 2^31, exactly)
+        sums = torch.einsum("bk,nbk->nb", row_codes.double(), codes.double()).float()
         y = (sums * (scale * d)).sum(dim=-1)
         if minimum is not None:
             y = y + (minimum * (d * row_codes.sum(dim=-1))).sum(dim=-1)
@@ -152,7 +155,21 @@ def linear_a8_fallback(
     return torch.stack(out) if out else x.new_zeros(0, n)
 
 
-def a8_weight_codes(weight: KernelWeight) -> torch.Tensor:
+def _quantized_blocks(row: torch.Tensor, wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's blocks # [blocks, 32] as scales # [blocks] and integer codes # [blocks, 32]."""
+    top = row.abs().amax(dim=-1)  # [blocks]
+    if not wide:
+        d = top / 127.0
+        inverse = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
+        return d, torch.round(row * inverse[:, None]).clamp(-127, 127)
+    exponent = torch.frexp(top).exponent
+    live = (top > 0) & (exponent >= -104)
+    d = torch.where(live, torch.ldexp(torch.ones_like(top), exponent - 22), 0.0)
+    inverse = torch.where(live, torch.ldexp(torch.ones_like(top), 22 - exponent), 0.0)
+    return d, torch.round(row * inverse[:, None])
+
+
+def integer_weight_codes(weight: KernelWeight) -> torch.Tensor:
     """The integer codes of an int8 or Q4_1 weight, as floats. # [N, K / 32, 32] float32"""
     n, k = weight.out_features, weight.in_features
     weight = weight.row_major()

@@ -18,6 +18,12 @@ gives 4 codes of each of 16 columns, what one integer dot-product instruction mu
 broadcast activation codes, so the per-block scaling is done once per 16 columns (see
 ``csrc/body.h``). The same codes and scales, moved; ``row_major`` gives the plain layout back.
 
+``int8_a24`` and ``q4_1_a24`` hold the same interleaved codes and compute with each block of 32
+activations as 24-bit integers under a power-of-two scale, cut into three int8 digits: three
+integer dot products per block, summed exactly (``activations_int24``). Float32-grade (each
+activation kept to 2^-22 of its block's largest magnitude), float32 mode's arithmetic from a
+GGUF file's blocks where the CPU has VNNI (``TargetSpec.activations``).
+
 ``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
 ``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
 computes with the original quantized weights, not a re-quantization of their fp32 copy.
@@ -30,9 +36,20 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q4_1_a8", "int8_a8")
-FORMAT_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "q4_1": 3, "q4_1_a8": 4, "int8_a8": 5}
-STORED_AS = {"q4_1_a8": "q4_1", "int8_a8": "int8"}  # int8 activations: the weight stored as
+FORMATS = ("float32", "bfloat16", "int8", "q4_1", "q4_1_a8", "int8_a8", "q4_1_a24", "int8_a24")
+FORMAT_CODES = {
+    "float32": 0,
+    "bfloat16": 1,
+    "int8": 2,
+    "q4_1": 3,
+    "q4_1_a8": 4,
+    "int8_a8": 5,
+    "q4_1_a24": 6,
+    "int8_a24": 7,
+}
+# Integer activations (interleaved weights): the weight stored as
+STORED_AS = {"q4_1_a8": "q4_1", "int8_a8": "int8", "q4_1_a24": "q4_1", "int8_a24": "int8"}
+ACTIVATION_SUFFIXES = ("_a8", "_a24")  # int8 codes, or 24-bit integers as three int8 digits
 Q4_BLOCK = 32
 ACTIVATION_BLOCK = 32  # int8 activations: one scale per this many activations of a row
 COLUMN_GROUP = 16  # q4_1_a8 / int8_a8: output columns interleaved together
@@ -84,12 +101,12 @@ class KernelWeight:
                     f"int8 group must be in_features or a power of two >= 16, got {self.group}"
                 )
             groups = 1 if self.group >= k else -(-k // self.group)
-            table = (groups, n) if self.format == "int8_a8" else (n, groups)
+            table = (groups, n) if self.format in STORED_AS else (n, groups)
             _check_table(self.scale, table, f"{self.format} scale")
         if stored == "q4_1":
             if self.group != Q4_BLOCK:
                 raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
-            table = (k // Q4_BLOCK, n) if self.format == "q4_1_a8" else (n, k // Q4_BLOCK)
+            table = (k // Q4_BLOCK, n) if self.format in STORED_AS else (n, k // Q4_BLOCK)
             _check_table(self.scale, table, f"{self.format} scale")
             _check_table(self.minimum, table, f"{self.format} min")
 
@@ -195,22 +212,43 @@ class KernelWeight:
 def activations_int8(weight: KernelWeight) -> KernelWeight:
     """The same stored weight computing with int8 activations (``int8`` -> ``int8_a8``,
     ``q4_1`` -> ``q4_1_a8``), interleaved; a weight already so is returned as it is."""
+    return integer_activations(weight, "_a8")
+
+
+def activations_int24(weight: KernelWeight) -> KernelWeight:
+    """The same stored weight computing with each block of 32 activations as 24-bit integers
+    under a power-of-two scale (``int8`` -> ``int8_a24``, ``q4_1`` -> ``q4_1_a24``): float32-grade
+    activations through integer dot products (three int8 digits), interleaved."""
+    return integer_activations(weight, "_a24")
+
+
+def integer_activations(weight: KernelWeight, suffix: str) -> KernelWeight:
+    """``weight`` computing with integer activations of kind ``suffix`` (``ACTIVATION_SUFFIXES``):
+    a plain int8 / q4_1 weight interleaved, an interleaved one relabelled (the same layout)."""
+    if suffix not in ACTIVATION_SUFFIXES:
+        raise ValueError(f"integer activations are one of {ACTIVATION_SUFFIXES}, got {suffix!r}")
     if weight.format in STORED_AS:
-        return weight
+        return dataclasses.replace(weight, format=weight.stored + suffix)
     if weight.format not in ("int8", "q4_1"):
         raise ValueError(f"int8 activations need int8 or q4_1 weights, got {weight.format}")
-    _check_int8_activations(weight.format + "_a8", weight.in_features, weight.group)
+    _check_int8_activations(weight.format + suffix, weight.in_features, weight.group)
     if weight.format == "int8" and bool((weight.data == -128).any()):
         # AVX2 multiplies magnitudes by signs: -128 has no positive counterpart in int8.
-        raise ValueError("int8_a8 needs int8 codes in [-127, 127]; this weight has -128")
-    return interleave(weight)
+        raise ValueError(f"int8{suffix} needs int8 codes in [-127, 127]; this weight has -128")
+    return interleave(weight, suffix)
 
 
-def interleave(weight: KernelWeight) -> KernelWeight:
-    """A q4_1 or int8 weight as q4_1_a8 / int8_a8: for each group of 16 output columns and each
-    block of 32 codes, the codes cut into runs of 4 elements (Q4_1: 4 bytes = 4 elements in the
-    low nibbles, 4 more in the high ones), run t of columns 0-15 side by side in 64 bytes; scale
-    and minimum transposed to [groups, N]. The last group is padded with zero columns."""
+def activation_suffix(format: str) -> str:
+    """The suffix of an integer-activation format ("_a8" or "_a24"); "" for the others."""
+    return next((s for s in ACTIVATION_SUFFIXES if format.endswith(s)), "")
+
+
+def interleave(weight: KernelWeight, suffix: str = "_a8") -> KernelWeight:
+    """A q4_1 or int8 weight as q4_1_a8 / int8_a8 (or ``suffix`` ``_a24``): for each group of 16
+    output columns and each block of 32 codes, the codes cut into runs of 4 elements (Q4_1: 4
+    bytes = 4 elements in the low nibbles, 4 more in the high ones), run t of columns 0-15 side
+    by side in 64 bytes; scale and minimum transposed to [groups, N]. The last group is padded
+    with zero columns."""
     n, blocks = weight.out_features, weight.in_features // ACTIVATION_BLOCK
     groups = -(-n // COLUMN_GROUP)
     runs = _interleaved_runs(weight.format)
@@ -221,7 +259,7 @@ def interleave(weight: KernelWeight) -> KernelWeight:
     minimum = None if weight.minimum is None else weight.minimum.t().contiguous()
     return dataclasses.replace(
         weight,
-        format=weight.format + "_a8",
+        format=weight.format + suffix,
         data=data.reshape(groups, blocks, runs, 64).contiguous(),
         scale=weight.scale.t().contiguous(),
         minimum=minimum,
@@ -238,9 +276,9 @@ def _check_int8_activations(format: str, k: int, group: int) -> None:
         raise ValueError(
             f"{format}: int8 activations need in_features divisible by {ACTIVATION_BLOCK}, got {k}"
         )
-    if format == "int8_a8" and group < k and group % ACTIVATION_BLOCK:
+    if format.startswith("int8_") and group < k and group % ACTIVATION_BLOCK:
         raise ValueError(
-            f"int8_a8 needs weight groups of a multiple of {ACTIVATION_BLOCK} (or the whole "
+            f"{format} needs weight groups of a multiple of {ACTIVATION_BLOCK} (or the whole "
             f"row), got {group}"
         )
 

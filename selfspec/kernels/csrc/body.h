@@ -267,19 +267,74 @@ void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums
   }
 }
 
+// The *_A24 formats: row m's block b as integers X = round(x / d), d = 2^(e - 22) for the
+// block's largest magnitude in [2^(e - 1), 2^e): x / d is exact (a power of two) and |X| <= 2^22,
+// so an element keeps its bits down to d / 2 (the block's largest keeps 23 of fp32's 24). Blocks
+// whose largest magnitude is below 2^-105 (or zero) read as zero. X is cut into three signed
+// digits X = (X2 * 256 + X1) * 256 + X0, X0 and X1 in [-128, 127], X2 in [-64, 64], one int8
+// plane each: three integer dot products per block, each summed exactly, combined as
+//   I = fma(float(I2 * 256 + I1), 256, float(I0))
+// (I2 * 256 + I1 is an exact int32) and then added as an *_A8 block sum (add_block). All float
+// steps here are exact but that one rounding and S = d * the same combination of digit sums.
+void quantize_rows_a24(const LinearParams& p, int8_t* xq, float* scales, float* sums,
+                       int32_t* corr, int64_t begin, int64_t end) {
+  const int64_t K = p.K, blocks = K / 32, plane = p.M * K, corr_plane = p.M * blocks;
+  const V radix = vset1(256.0f), half = vset1(0.5f), step = vset1(1.0f / 256.0f);
+  // Balanced digit: v - 256 * floor(v / 256 + 1/2) in [-128, 127], and the carry; exact.
+  auto digit = [&](V v, V& carry) __attribute__((always_inline)) {
+    carry = vfloor(vadd(vmul(v, step), half));
+    return vsub(v, vmul(carry, radix));
+  };
+  for (int64_t m = begin; m < end; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t row_block = m * blocks + b;
+      const float* x = p.x + m * K + 32 * b;
+      const V lo = vload(x), hi = vload(x + 16);
+      const float top = vhmax(vmax(vabs(lo), vabs(hi)));
+      int exponent = 0;
+      std::frexp(top, &exponent);  // top in [2^(exponent - 1), 2^exponent)
+      const bool live = top > 0.0f && exponent >= -104;
+      const float d = live ? std::ldexp(1.0f, exponent - 22) : 0.0f;
+      const V inverse = vset1(live ? std::ldexp(1.0f, 22 - exponent) : 0.0f);
+      const V halves[2] = {vround(vmul(lo, inverse)), vround(vmul(hi, inverse))};
+      float digit_sums[3] = {0.0f, 0.0f, 0.0f};
+      for (int h = 0; h < 2; ++h) {
+        V carry, top;
+        const V x0 = digit(halves[h], carry);
+        const V x1 = digit(carry, top);
+        const V planes[3] = {x0, x1, top};
+        for (int d_ = 0; d_ < 3; ++d_) {
+          vstore_i8(xq + d_ * plane + m * K + 32 * b + 16 * h, planes[d_]);
+          digit_sums[d_] += vhsum(planes[d_]);  // small integers: exact
+        }
+      }
+      for (int d_ = 0; d_ < 3; ++d_) {
+        corr[d_ * corr_plane + row_block] = -128 * static_cast<int32_t>(digit_sums[d_]);
+      }
+      scales[row_block] = d;
+      sums[row_block] = d * std::fma(digit_sums[2] * 256.0f + digit_sums[1], 256.0f, digit_sums[0]);
+    }
+  }
+}
+
+// A *_A24 block's three exact digit sums (high, middle, low) as one float (see above).
+SS_INLINE V combine_digits(Q high, Q middle, Q low) {
+  return vfma(qfloat(qadd(qshl8(high), middle)), vset1(256.0f), qfloat(low));
+}
+
 // One block's contribution to 16 columns of a row: `sum` the exact integer sums (as floats), `s`
 // and `mn` the columns' block scales and minimums, `d` and `S` the row's block scale and d * code
 // sum. Every path of the *_A8 formats (VNNI, AVX2, AMX) ends a block here.
 template <int64_t FORMAT>
 SS_INLINE V add_block(V acc, V sum, V s, V mn, float d, float S) {
   acc = vfma(sum, vmul(s, vset1(d)), acc);
-  if constexpr (FORMAT == kQ4_1_A8) acc = vfma(mn, vset1(S), acc);
+  if constexpr (stored_format(FORMAT) == kQ4_1) acc = vfma(mn, vset1(S), acc);
   return acc;
 }
 
 // Bytes of one interleaved group's block: 32 codes of 16 columns.
 template <int64_t FORMAT>
-constexpr int64_t kGroupBlockBytes = FORMAT == kQ4_1_A8 ? 256 : 512;
+constexpr int64_t kGroupBlockBytes = stored_format(FORMAT) == kQ4_1 ? 256 : 512;
 
 // Block b's scales `s` and (Q4_1) minimums `mn` of the 16 columns from n0 (`live` of them real;
 // the rest read as 0), with the next group's lines prefetched (a line per block each, N floats
@@ -288,12 +343,13 @@ template <int64_t FORMAT>
 SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, int live, V& s, V& mn) {
   const int64_t N = p.N;
   // The scale row of block b ([K / group, N]; per-channel int8: one row).
-  const int64_t row = FORMAT == kQ4_1_A8 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
+  constexpr bool q4 = stored_format(FORMAT) == kQ4_1;
+  const int64_t row = q4 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
   const float* scale = p.scale + row * N + n0;
   _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
   s = live == 16 ? vload(scale) : vload_n(scale, live);
   mn = vzero();
-  if constexpr (FORMAT == kQ4_1_A8) {
+  if constexpr (q4) {
     const float* minimum = p.minimum + b * N + n0;
     _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
     mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
@@ -312,11 +368,35 @@ SS_INLINE void store_group_rows(const LinearParams& p, int64_t m, int rows, int6
   }
 }
 
+// A block's exact integer sums for one row: the 8 runs of codes times the row's activation codes
+// at `x` (32 bytes), from `start` (the AVX-512 int8 offset's correction, else 0). Two chains
+// (elements 0-15, 16-31), added at the end: exact integers.
+template <bool Q4>
+SS_INLINE Q block_dot(const Q* codes, const int8_t* x, int32_t start) {
+  Q low = Q4 ? qzero() : qinit_i8(start), high = qzero();
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) {
+    int32_t x_lo, x_hi;
+    __builtin_memcpy(&x_lo, x + 4 * t, 4);
+    __builtin_memcpy(&x_hi, x + 16 + 4 * t, 4);
+    if constexpr (Q4) {
+      low = qdot_bcast(low, codes[t], x_lo);
+      high = qdot_bcast(high, codes[4 + t], x_hi);
+    } else {
+      low = qdot_bcast_i8(low, codes[t], x_lo);
+      high = qdot_bcast_i8(high, codes[4 + t], x_hi);
+    }
+  }
+  return qadd(low, high);
+}
+
 // Rows m.. (R of them) of the 16 columns of interleaved group g, into out[r].
 template <int R, int64_t FORMAT>
 SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
   constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
+  constexpr bool q4 = stored_format(FORMAT) == kQ4_1;
   const int64_t blocks = p.K / 32, n0 = 16 * g;
+  const int64_t plane = p.M * p.K, corr_plane = p.M * blocks;  // *_A24's digit planes
   const int live = static_cast<int>(min64(16, p.N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   V acc[R];
@@ -325,7 +405,7 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     // codes[t]: elements 4t..4t+3 of the block for t < 4, 16+4(t-4).. for t >= 4, 16 columns.
     Q codes[8];
-    if constexpr (FORMAT == kQ4_1_A8) {
+    if constexpr (q4) {
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) qnibbles(w + b * bytes + 64 * t, codes[t], codes[4 + t]);
     } else {
@@ -344,25 +424,16 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
       const int8_t* x = p.xq + row_block * 32;
-      // Two chains of dot products (elements 0-15, 16-31), added at the end: exact integers.
-      Q low, high = qzero();
-      if constexpr (FORMAT == kQ4_1_A8) low = qzero();
-      else low = qinit_i8(p.x_corr[row_block]);
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        int32_t x_lo, x_hi;
-        __builtin_memcpy(&x_lo, x + 4 * t, 4);
-        __builtin_memcpy(&x_hi, x + 16 + 4 * t, 4);
-        if constexpr (FORMAT == kQ4_1_A8) {
-          low = qdot_bcast(low, codes[t], x_lo);
-          high = qdot_bcast(high, codes[4 + t], x_hi);
-        } else {
-          low = qdot_bcast_i8(low, codes[t], x_lo);
-          high = qdot_bcast_i8(high, codes[4 + t], x_hi);
-        }
+      V sum;
+      if constexpr (activation_planes(FORMAT) == 1) {
+        sum = qfloat(block_dot<q4>(codes, x, p.x_corr[row_block]));
+      } else {
+        const Q low = block_dot<q4>(codes, x, p.x_corr[row_block]);
+        const Q middle = block_dot<q4>(codes, x + plane, p.x_corr[corr_plane + row_block]);
+        const Q high = block_dot<q4>(codes, x + 2 * plane, p.x_corr[2 * corr_plane + row_block]);
+        sum = combine_digits(high, middle, low);
       }
-      acc[r] = add_block<FORMAT>(acc[r], qfloat(qadd(low, high)), s, mn, p.x_scales[row_block],
-                                 p.x_sums[row_block]);
+      acc[r] = add_block<FORMAT>(acc[r], sum, s, mn, p.x_scales[row_block], p.x_sums[row_block]);
     }
   }
 #pragma GCC unroll 16
@@ -378,9 +449,10 @@ SS_INLINE void group_rows(int rows, const LinearParams& p, int64_t m, int64_t g,
   }
 }
 
-// The *_A8 formats' columns [n_begin, n_end), n_begin a multiple of 16: whole groups, every row.
+// The integer-activation formats' columns [n_begin, n_end), n_begin a multiple of 16: whole
+// groups, every row.
 template <int64_t FORMAT>
-static void linear_groups_a8(const LinearParams& p, int64_t n_begin, int64_t n_end) {
+static void linear_groups_int(const LinearParams& p, int64_t n_begin, int64_t n_end) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
     const int columns = static_cast<int>(min64(16, n_end - n0));
     for (int64_t m = 0; m < p.M; m += kQGroupRows) {
@@ -407,8 +479,10 @@ static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_
 
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
   switch (p.format) {
-    case kQ4_1_A8: linear_groups_a8<kQ4_1_A8>(p, n_begin, n_end); return;
-    case kInt8_A8: linear_groups_a8<kInt8_A8>(p, n_begin, n_end); return;
+    case kQ4_1_A8: linear_groups_int<kQ4_1_A8>(p, n_begin, n_end); return;
+    case kInt8_A8: linear_groups_int<kInt8_A8>(p, n_begin, n_end); return;
+    case kQ4_1_A24: linear_groups_int<kQ4_1_A24>(p, n_begin, n_end); return;
+    case kInt8_A24: linear_groups_int<kInt8_A24>(p, n_begin, n_end); return;
     case kFloat32: linear_columns_as<kFloat32>(p, n_begin, n_end, scratch); break;
     case kBFloat16: linear_columns_as<kBFloat16>(p, n_begin, n_end, scratch); break;
     case kInt8: linear_columns_as<kInt8>(p, n_begin, n_end, scratch); break;

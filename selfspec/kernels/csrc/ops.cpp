@@ -20,6 +20,8 @@ void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, floa
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end);
+void quantize_rows_a24(const LinearParams& p, int8_t* xq, float* scales, float* sums,
+                       int32_t* corr, int64_t begin, int64_t end);
 }  // namespace avx512
 namespace amx {
 void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end);
@@ -30,6 +32,8 @@ void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, floa
 void rms_norm_rows(const NormParams& p, int64_t begin, int64_t end);
 void quantize_rows(const LinearParams& p, int8_t* xq, float* scales, float* sums, int32_t* corr,
                    int64_t begin, int64_t end);
+void quantize_rows_a24(const LinearParams& p, int8_t* xq, float* scales, float* sums,
+                       int32_t* corr, int64_t begin, int64_t end);
 }  // namespace avx2
 
 namespace {
@@ -51,7 +55,7 @@ bool cpu_has(const char* isa) {
   return false;
 }
 
-// AMX tiles for the *_A8 formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
+// AMX tiles for the integer-activation formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
 // 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
 // SELFSPEC_KERNEL_AMX is not "0" (read on every call; the hardware and the OS asked once).
 bool amx_ready() {
@@ -92,6 +96,7 @@ void check_cpu(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 bool amx_available() { return amx_ready(); }
+bool vnni_available() { return cpu_has("avx512vnni"); }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
@@ -121,7 +126,7 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       K = weight.size(1);
       break;
     case kInt8: {
-      if (format == kInt8_A8) {  // interleaved by 16 columns: [G, K / 32, 8, 64]
+      if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 8, 64]
         TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 4 && weight.size(2) == 8 &&
                         weight.size(3) == 64,
                     "int8_a8 weight must be int8 [ceil(N / 16), K / 32, 8, 64]");
@@ -150,7 +155,7 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       break;
     }
     case kQ4_1: {
-      if (format == kQ4_1_A8) {  // interleaved by 16 columns: [G, K / 32, 4, 64]
+      if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 4, 64]
         TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 4 && weight.size(2) == 4 &&
                         weight.size(3) == 64,
                     "q4_1_a8 weight must be uint8 [ceil(N / 16), K / 32, 4, 64]");
@@ -179,10 +184,10 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
     default:
       TORCH_CHECK(false, "unknown weight format ", format);
   }
-  TORCH_CHECK(format >= kFloat32 && format <= kInt8_A8, "unknown weight format ", format);
-  if (int8_activations(format)) {
+  TORCH_CHECK(format >= kFloat32 && format <= kInt8_A24, "unknown weight format ", format);
+  if (integer_activations(format)) {
     TORCH_CHECK(K % 32 == 0, "int8 activations need K divisible by 32, got ", K);
-    TORCH_CHECK(format != kInt8_A8 || group >= K || group % 32 == 0,
+    TORCH_CHECK(stored_format(format) != kInt8 || group >= K || group % 32 == 0,
                 "int8 activations need int8 weight groups of a multiple of 32, got ", group);
   }
   if (bias.has_value()) {
@@ -205,8 +210,9 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     check_cpu(*rows, "rows");
     TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
     TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
-    TORCH_CHECK(!int8_activations(w.format), "a row-selected linear does not take q4_1_a8 or int8_a8 "
-                "weights (columns interleaved by 16): select their rows first (ops.linear_rows)");
+    TORCH_CHECK(!integer_activations(w.format), "a row-selected linear does not take interleaved "
+                "weights (q4_1_a8, int8_a8, q4_1_a24, int8_a24: columns interleaved by 16): select "
+                "their rows first (ops.linear_rows)");
     N = rows->numel();
     if (N > 0) {
       const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
@@ -235,31 +241,37 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   p.y = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;
   bool wide = resolve_isa(isa) == "avx512";
-  torch::Tensor codes, scales, sums, corr;  // the *_A8 formats' quantized activations
-  if (int8_activations(p.format)) {
+  torch::Tensor codes, scales, sums, corr;  // the integer-activation formats' quantized x
+  if (integer_activations(p.format)) {
     // The AVX-512 integer path needs VNNI; without it the AVX2 path (the same bits) runs.
     wide = wide && cpu_has("avx512vnni");
-    codes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+    const int64_t planes = activation_planes(p.format);
+    codes = torch::empty({planes, M, K}, x.options().dtype(torch::kInt8));
     scales = torch::empty({M, K / 32}, x.options());
     sums = torch::empty({M, K / 32}, x.options());
-    corr = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
+    corr = torch::empty({planes, M, K / 32}, x.options().dtype(torch::kInt32));
     int8_t* c = codes.data_ptr<int8_t>();
     float *l = scales.data_ptr<float>(), *s = sums.data_ptr<float>();
     int32_t* r = corr.data_ptr<int32_t>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
-      if (wide) avx512::quantize_rows(p, c, l, s, r, begin, end);
-      else avx2::quantize_rows(p, c, l, s, r, begin, end);
+      if (planes == 3) {
+        if (wide) avx512::quantize_rows_a24(p, c, l, s, r, begin, end);
+        else avx2::quantize_rows_a24(p, c, l, s, r, begin, end);
+      } else if (wide) {
+        avx512::quantize_rows(p, c, l, s, r, begin, end);
+      } else {
+        avx2::quantize_rows(p, c, l, s, r, begin, end);
+      }
     });
     p.xq = c;
     p.x_scales = l;
     p.x_sums = s;
     p.x_corr = r;
   }
-  // The *_A8 formats on AMX tiles from enough rows (the same bits; fewer rows: VNNI).
-  const int64_t amx_rows = p.format == kQ4_1_A8 ? kAmxMinRowsQ4 : kAmxMinRows;
-  const bool tiles_path = wide && int8_activations(p.format) && M >= amx_rows && amx_ready();
-  // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for the *_A8 groups.
-  const int64_t width = int8_activations(p.format) ? 16 : 4;
+  // The integer-activation formats on AMX tiles from enough rows (the same bits; fewer: VNNI).
+  const bool tiles_path = wide && integer_activations(p.format) && M >= amx_min_rows(p.format) && amx_ready();
+  // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for interleaved groups.
+  const int64_t width = integer_activations(p.format) ? 16 : 4;
   const int64_t tiles = (N + width - 1) / width;
   // Enough work per task that a small layer stays on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, width * K * M));
@@ -422,7 +434,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "selfspec's row-invariant small-M linear and fixed-order attention kernels";
   m.def("supported_isas", &selfspec_kernels::supported_isas);
   m.def("amx_ready", &selfspec_kernels::amx_available,
-        "whether *_a8 calls of several rows run on AMX tiles here (SELFSPEC_KERNEL_AMX=0: off)");
+        "whether integer-activation calls of several rows run on AMX tiles here "
+        "(SELFSPEC_KERNEL_AMX=0: off)");
+  m.def("vnni_ready", &selfspec_kernels::vnni_available,
+        "whether the AVX-512 path has VNNI integer dot products here");
   m.def("linear", &selfspec_kernels::linear);
   m.def("linear_rows", &selfspec_kernels::linear_rows);
   m.def("attention", &selfspec_kernels::attention);

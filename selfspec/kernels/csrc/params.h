@@ -26,18 +26,33 @@ enum WeightFormat : int64_t {
   kInt8_A8 = 5,   // kInt8's codes interleaved by 16 columns: w int8 [ceil(N / 16), K / 32, 8, 64]
                   //    (per group and block, run t: elements 4t..4t+3 of columns 0-15); scale:
                   //    float [K / group, N] (group a multiple of 32, or K: one row)
+  // The same interleaved weights with each block of 32 activations as integers of 23 bits under
+  // a power-of-two scale, cut into three int8 digits (body.h): three integer dot products per
+  // block, summed exactly; float32-grade activations (the exact mode's arithmetic on AMX).
+  kQ4_1_A24 = 6,  // kQ4_1_A8's weight and tables
+  kInt8_A24 = 7,  // kInt8_A8's weight and tables
 };
 
-// How a format's weight is stored (the *_A8 formats: interleaved, see above).
-SS_INLINE int64_t stored_format(int64_t format) {
-  return format == kQ4_1_A8 ? kQ4_1 : format == kInt8_A8 ? kInt8 : format;
+// How a format's weight is stored (the integer-activation formats: interleaved, see above).
+static constexpr int64_t stored_format(int64_t format) {
+  return (format == kQ4_1_A8 || format == kQ4_1_A24)  ? kQ4_1
+         : (format == kInt8_A8 || format == kInt8_A24) ? kInt8
+                                                        : format;
 }
-SS_INLINE bool int8_activations(int64_t format) { return format == kQ4_1_A8 || format == kInt8_A8; }
+// Whether activations are quantized per block of 32 at run time (*_A8, *_A24).
+static constexpr bool integer_activations(int64_t format) { return format >= kQ4_1_A8 && format <= kInt8_A24; }
+// int8 planes of a quantized activation block: 1 (*_A8) or 3 digits (*_A24).
+static constexpr int activation_planes(int64_t format) { return format >= kQ4_1_A24 ? 3 : 1; }
 
-// From this many rows the *_A8 formats run on AMX tiles where the CPU has them (ops.cpp,
-// isa_amx.cpp): Int8_A8 from 8, Q4_1_A8 (whose nibbles are spread to bytes first) from 12.
+// From this many rows the integer-activation formats run on AMX tiles where the CPU has them
+// (ops.cpp, isa_amx.cpp): Int8_A8 from 8, Q4_1_A8 (whose nibbles are spread to bytes first) from
+// 12; the *_A24 formats, with three products per block, from kAmxMinRowsA24.
 constexpr int64_t kAmxMinRows = 8;
 constexpr int64_t kAmxMinRowsQ4 = 12;
+constexpr int64_t kAmxMinRowsA24 = 8;
+SS_INLINE int64_t amx_min_rows(int64_t format) {
+  return activation_planes(format) == 3 ? kAmxMinRowsA24 : format == kQ4_1_A8 ? kAmxMinRowsQ4 : kAmxMinRows;
+}
 
 struct LinearParams {
   const float* x;        // [M, K] fp32 activations
@@ -51,11 +66,12 @@ struct LinearParams {
   int64_t group;         // elements per scale along K (int8: K for per-channel, or e.g. 32)
   int64_t group_shift;   // log2(group), or -1 when one scale covers the row (group >= K)
   const int64_t* rows;   // [N] the weight row output column n reads, or null (row n)
-  // The *_A8 formats: x quantized per block of 32 (quantize_rows, before the columns run).
-  const int8_t* xq;       // [M, K] codes
+  // The integer-activation formats: x quantized per block of 32 (quantize_rows /
+  // quantize_rows_a24, before the columns run); P = activation_planes(format).
+  const int8_t* xq;       // [P, M, K] codes (*_A24: digit planes X0, X1, X2)
   const float* x_scales;  // [M, K / 32] each block's scale d
-  const float* x_sums;    // [M, K / 32] d * the sum of the block's codes
-  const int32_t* x_corr;  // [M, K / 32] -128 * the sum of the block's codes (AVX-512 int8)
+  const float* x_sums;    // [M, K / 32] d * the sum of the block's codes (the integers X)
+  const int32_t* x_corr;  // [P, M, K / 32] -128 * the sum of each plane's codes (AVX-512 int8)
 };
 
 struct AttentionParams {

@@ -123,6 +123,7 @@ SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
 }
 SS_INLINE Q qadd(Q a, Q b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 SS_INLINE V qfloat(Q a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+SS_INLINE Q qshl8(Q a) { return {_mm256_slli_epi32(a.lo, 8), _mm256_slli_epi32(a.hi, 8)}; }
 // int8_a8: the signed codes as they are; no offset to take out (qdot_bcast_i8 multiplies the
 // activation codes' magnitudes by the weights carrying the activations' signs).
 SS_INLINE Q qcodes_i8(const uint8_t* p) {
@@ -151,6 +152,11 @@ SS_INLINE float vhmax(V a) {
 SS_INLINE V vround(V a) {
   return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
           _mm256_round_ps(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+
+SS_INLINE V vfloor(V a) {
+  return {_mm256_round_ps(a.lo, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+          _mm256_round_ps(a.hi, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
 }
 
 SS_INLINE void vstore_i8(int8_t* p, V a) {

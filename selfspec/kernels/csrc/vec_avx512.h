@@ -135,6 +135,7 @@ SS_INLINE Q qinit_i8(int32_t corr) { return {_mm512_set1_epi32(corr)}; }
 SS_INLINE Q qdot_bcast_i8(Q acc, Q w, int32_t x4) { return qdot_bcast(acc, w, x4); }
 SS_INLINE Q qadd(Q a, Q b) { return {_mm512_add_epi32(a.v, b.v)}; }
 SS_INLINE V qfloat(Q a) { return {_mm512_cvtepi32_ps(a.v)}; }
+SS_INLINE Q qshl8(Q a) { return {_mm512_slli_epi32(a.v, 8)}; }  // a * 256
 
 SS_INLINE V vabs(V a) { return {_mm512_abs_ps(a.v)}; }
 SS_INLINE float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
@@ -142,6 +143,11 @@ SS_INLINE float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }  // exact in an
 // Each lane rounded to the nearest integer, ties to even.
 SS_INLINE V vround(V a) {
   return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+
+// Each lane rounded down to an integer.
+SS_INLINE V vfloor(V a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
 }
 
 // 16 integer-valued lanes stored as int8, saturated.
