@@ -299,17 +299,17 @@ void quantize_rows_a24(const LinearParams& p, int8_t* xq, float* scales, float* 
       const V halves[2] = {vround(vmul(lo, inverse)), vround(vmul(hi, inverse))};
       float digit_sums[3] = {0.0f, 0.0f, 0.0f};
       for (int h = 0; h < 2; ++h) {
-        V carry, top;
+        V carry, x2;
         const V x0 = digit(halves[h], carry);
-        const V x1 = digit(carry, top);
-        const V planes[3] = {x0, x1, top};
-        for (int d_ = 0; d_ < 3; ++d_) {
-          vstore_i8(xq + d_ * plane + m * K + 32 * b + 16 * h, planes[d_]);
-          digit_sums[d_] += vhsum(planes[d_]);  // small integers: exact
+        const V x1 = digit(carry, x2);
+        const V digits[3] = {x0, x1, x2};
+        for (int j = 0; j < 3; ++j) {
+          vstore_i8(xq + j * plane + m * K + 32 * b + 16 * h, digits[j]);
+          digit_sums[j] += vhsum(digits[j]);  // small integers: exact
         }
       }
-      for (int d_ = 0; d_ < 3; ++d_) {
-        corr[d_ * corr_plane + row_block] = -128 * static_cast<int32_t>(digit_sums[d_]);
+      for (int j = 0; j < 3; ++j) {
+        corr[j * corr_plane + row_block] = -128 * static_cast<int32_t>(digit_sums[j]);
       }
       scales[row_block] = d;
       sums[row_block] = d * std::fma(digit_sums[2] * 256.0f + digit_sums[1], 256.0f, digit_sums[0]);
@@ -324,7 +324,7 @@ SS_INLINE V combine_digits(Q high, Q middle, Q low) {
 
 // One block's contribution to 16 columns of a row: `sum` the exact integer sums (as floats), `s`
 // and `mn` the columns' block scales and minimums, `d` and `S` the row's block scale and d * code
-// sum. Every path of the *_A8 formats (VNNI, AVX2, AMX) ends a block here.
+// sum. Every path of the integer-activation formats (VNNI, AVX2, AMX) ends a block here.
 template <int64_t FORMAT>
 SS_INLINE V add_block(V acc, V sum, V s, V mn, float d, float S) {
   acc = vfma(sum, vmul(s, vset1(d)), acc);
