@@ -30,6 +30,7 @@ from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from selfspec.prefill import PrefillProgress
 from selfspec.prefix_cache import CachedPrefix, PrefixCache
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
+from selfspec.speculation_gate import SpeculationGate
 from selfspec.stats import GenerationStats, StepRecord
 from selfspec.target_forward import TargetForward
 from selfspec.tree import (
@@ -248,6 +249,12 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self.context_limit = _context_limit(model)
         self.default_stop_ids = eos_token_ids(model, tokenizer)
+        self.gate = SpeculationGate() if cost_curve is not None else None
+        """Whether a step of an adaptive request drafts at all, from the committed tokens per
+        second measured with and without drafting (``GenerationStream.step``): the per-step
+        cost of drafting (heads calls, tree bookkeeping) can exceed what a small tree saves,
+        which the tree sizer, pricing nodes after drafting, cannot see. A server gates its
+        rounds itself (``selfspec.serve.engine``)."""
         self.prefix_cache: PrefixCache | None = None
         """Set by a server: prompt prefixes reused across requests (``GenerationConfig.
         prefix_namespace``); only exact where the target's rows are computed row-invariantly
@@ -774,8 +781,27 @@ class GenerationStream:
         return output
 
     def step(self) -> StepOutput:
-        """One decoding step with its own verification forward."""
-        return self.verify(self.draft())
+        """One decoding step with its own verification forward. With the generator's default
+        adaptive tree (or any adaptive one), its speculation gate decides whether the step
+        drafts at all (``SpeculativeGenerator.gate``): speculation never loses to plain
+        decoding for long, and the output is what it would be either way."""
+        gate = self._owner.gate if self._gated else None
+        if gate is None:
+            return self.verify(self.draft())
+        speculate = gate.choose(1)
+        started = time.perf_counter()
+        output = self.verify(self.draft(speculate=speculate))
+        gate.observe(1, speculate, len(output.token_ids), time.perf_counter() - started)
+        return output
+
+    @property
+    def _gated(self) -> bool:
+        """Whether ``step`` asks the gate: a speculating request on an adaptive tree whose
+        output does not depend on its trees (``trees_may_vary``)."""
+        if not self._config.speculate or self._owner.gate is None or not self.trees_may_vary:
+            return False
+        tree = self._owner.tree_for(self._config)
+        return isinstance(tree, DynamicTree) and tree.adaptive
 
     def verify(self, drafted: DraftedStep) -> StepOutput:
         """Finish the step of ``draft()`` with a verification forward of its own."""

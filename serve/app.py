@@ -43,7 +43,7 @@ from selfspec.serve.logprobs_format import TokenTexts, chat_logprobs, completion
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.serve.protocol import ParsedRequest, parse_request
 from selfspec.serve.recalibration import Outcome, RecalibrationPolicy, ServedRecalibrator
-from selfspec.serve.speculation_gate import SpeculationGate
+from selfspec.speculation_gate import SpeculationGate
 from selfspec.stats import GenerationStats
 from selfspec.target import apply_chat_template
 from selfspec.tree import TreeSpec

@@ -46,7 +46,7 @@ from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.fair_queue import FairQueue
 from selfspec.serve.metrics import ServerMetrics
-from selfspec.serve.speculation_gate import SpeculationGate
+from selfspec.speculation_gate import SpeculationGate
 
 logger = logging.getLogger(__name__)
 

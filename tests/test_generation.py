@@ -10,6 +10,7 @@ produces varied text with top-2 gaps > 1e-3, which `_vanilla` asserts along the 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import replace
 
 import pytest
@@ -478,6 +479,37 @@ def test_a_steps_work_after_its_forward_is_measured_for_tree_sizing() -> None:
     assert stream.state.overhead_seconds == 0.0
     stream.step()
     assert stream.state.overhead_seconds > 0.0  # verdict, commit and head advance take time
+
+
+def test_an_adaptive_request_drafts_only_while_drafting_pays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Drafting that costs far more than the accepted drafts save (50 ms a step here): after
+    the gate's warm-up the steps decode plainly, trying a draft now and then, and the output is
+    the vanilla output. A fixed tree is never gated: it drafts at every step as asked."""
+    generator = SpeculativeGenerator(
+        _model("llama"), _heads("llama", "eagle", perturbed=True), cost_curve=FLAT
+    )
+    drafting = generator.drafter.draft_many
+    calls = []
+
+    def slow_drafting(requests):
+        calls.append(len(requests))
+        time.sleep(0.05)
+        return drafting(requests)
+
+    monkeypatch.setattr(generator.drafter, "draft_many", slow_drafting)
+    config = _greedy(None, new_tokens=40)  # the default: adaptive
+    result = generator.generate(PROMPT, config)
+    assert result.token_ids == list(_vanilla("llama", 40))
+    steps = len(result.stats.steps)
+    rates = generator.gate.rates(1)
+    assert rates[False] > rates[True]
+    assert 3 <= len(calls) <= 6 < steps  # warm-up's 3, an exploration or two; not every step
+    calls.clear()
+    fixed = generator.generate(PROMPT, _greedy(TREES["dynamic"], new_tokens=40))
+    assert fixed.token_ids == result.token_ids
+    assert len(calls) == len(fixed.stats.steps)
 
 
 def test_adaptive_tree_needs_a_cost_curve() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfspec.serve.speculation_gate import SpeculationGate, SpeculationGateConfig
+from selfspec.speculation_gate import SpeculationGate, SpeculationGateConfig
 
 
 def _run(gate: SpeculationGate, batch: int, rounds: int, rate: dict[bool, float]) -> list[bool]:

@@ -1,4 +1,6 @@
-"""Whether a round of the engine speculates: speculation must never lose to plain decoding.
+"""Whether a round speculates: speculation must never lose to plain decoding. The server's
+engine gates each round of a batch (``selfspec.serve.engine``), ``SpeculativeGenerator`` each
+step of an adaptive request (batch size 1).
 
 Adaptive trees are sized per request, but drafting itself costs each request a heads call per
 depth before any tree is priced; in a batch of fp32 requests on a CPU that cost can exceed what
