@@ -69,6 +69,24 @@ def _log(probs: list[float]) -> list[float]:
     return [math.log(p) for p in probs]
 
 
+def test_each_round_times_the_largest_tree_first() -> None:
+    """A forward right after a much larger one runs slow for a while: each round goes from the
+    largest size down, so every size follows one a little larger (as decoding's steps follow
+    steps of about their size), never one token right after 64."""
+    target = TargetForward(make_tiny_model("llama"))
+    order: list[int] = []
+    features = target.features
+
+    def recorded(tokens, positions, cache, mask=None):
+        order.append(tokens.shape[1])
+        return features(tokens, positions, cache, mask)
+
+    target.features = recorded
+    curve = cost_curve_module.measure_cost_curve(target, sizes=(1, 2, 4, 16), context=8, repeats=2)
+    assert curve.sizes == (1, 2, 4, 16)
+    assert order[1:] == [16, 4, 2, 1] * 3  # after the prompt: a warm-up round, then 2
+
+
 def test_sizer_keeps_nodes_while_they_pay_for_their_verification() -> None:
     # 1-token forward 10 ms, +1 ms per extra tree token; nothing spent drafting.
     curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
