@@ -2,7 +2,7 @@
 // 16-column group and block, one tile product per activation plane (*_A8: one, *_A24: three
 // digits) gives every row's exact int32 block sums (the integers the VNNI and AVX2 paths add up
 // in registers), and the same float steps follow (body.h's combine_digits and add_block), so
-// the bits are those of the other paths. Int8_A8's interleaved codes are a tile as stored; Q4_1_A8's
+// the bits are those of the other paths. Interleaved int8 codes are a tile as stored; Q4_1's
 // nibbles are spread to bytes for a whole group before its products (a tile load right after
 // the stores it reads waits for them). ops.cpp runs it where the CPU has AMX, the OS grants the
 // tile state, and a call has enough rows (params.h). No torch header here: see params.h.

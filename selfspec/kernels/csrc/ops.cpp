@@ -55,8 +55,8 @@ bool cpu_has(const char* isa) {
   return false;
 }
 
-// AMX tiles for the integer-activation formats (isa_amx.cpp): the CPU has amx-tile and amx-int8 (CPUID leaf
-// 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
+// AMX tiles for the integer-activation formats (isa_amx.cpp): the CPU has amx-tile and amx-int8
+// (CPUID leaf 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
 // SELFSPEC_KERNEL_AMX is not "0" (read on every call; the hardware and the OS asked once).
 bool amx_ready() {
   const char* env = std::getenv("SELFSPEC_KERNEL_AMX");
@@ -129,17 +129,17 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 8, 64]
         TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 4 && weight.size(2) == 8 &&
                         weight.size(3) == 64,
-                    "int8_a8 weight must be int8 [ceil(N / 16), K / 32, 8, 64]");
+                    "int8_a8 / int8_a24 weight must be int8 [ceil(N / 16), K / 32, 8, 64]");
         K = weight.size(1) * 32;
         TORCH_CHECK(group >= K || (group >= 32 && (group & (group - 1)) == 0),
-                    "int8_a8 group must be K or a power of two >= 32, got ", group);
-        TORCH_CHECK(scale.has_value(), "int8_a8 weight needs a scale");
+                    "interleaved int8 group must be K or a power of two >= 32, got ", group);
+        TORCH_CHECK(scale.has_value(), "interleaved int8 weight needs a scale");
         check_cpu(*scale, "scale");
         const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
         TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->dim() == 2 && scale->size(0) == groups,
-                    "int8_a8 scale must be float32 [", groups, ", N]");
+                    "interleaved int8 scale must be float32 [", groups, ", N]");
         N = scale->size(1);
-        TORCH_CHECK(weight.size(0) == (N + 15) / 16, "int8_a8 weight [", weight.size(0),
+        TORCH_CHECK(weight.size(0) == (N + 15) / 16, "interleaved int8 weight [", weight.size(0),
                     ", ...] does not fit its scale [", groups, ", ", N, "]");
         break;
       }
@@ -158,16 +158,16 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 4, 64]
         TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 4 && weight.size(2) == 4 &&
                         weight.size(3) == 64,
-                    "q4_1_a8 weight must be uint8 [ceil(N / 16), K / 32, 4, 64]");
-        TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1_a8 weight needs scale and min");
+                    "q4_1_a8 / q4_1_a24 weight must be uint8 [ceil(N / 16), K / 32, 4, 64]");
+        TORCH_CHECK(scale.has_value() && minimum.has_value(), "interleaved q4_1 weight needs scale and min");
         check_cpu(*scale, "scale");
         check_cpu(*minimum, "min");
         K = weight.size(1) * 32;
-        TORCH_CHECK(scale->dim() == 2 && scale->size(0) == K / 32, "q4_1_a8 scale must be float32 [K / 32, N]");
+        TORCH_CHECK(scale->dim() == 2 && scale->size(0) == K / 32, "interleaved q4_1 scale must be float32 [K / 32, N]");
         N = scale->size(1);
         TORCH_CHECK(weight.size(0) == (N + 15) / 16 && scale->scalar_type() == torch::kFloat32 &&
                         minimum->scalar_type() == torch::kFloat32 && minimum->sizes() == scale->sizes(),
-                    "q4_1_a8 weight [", weight.size(0), ", ...] does not fit scale and min float32 [K / 32, N]");
+                    "interleaved q4_1 weight [", weight.size(0), ", ...] does not fit scale and min float32 [K / 32, N]");
         break;
       }
       TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && N > 0 && weight.numel() % (N * 16) == 0,
@@ -269,7 +269,8 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     p.x_corr = r;
   }
   // The integer-activation formats on AMX tiles from enough rows (the same bits; fewer: VNNI).
-  const bool tiles_path = wide && integer_activations(p.format) && M >= amx_min_rows(p.format) && amx_ready();
+  const bool tiles_path =
+      wide && integer_activations(p.format) && M >= amx_min_rows(p.format) && amx_ready();
   // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for interleaved groups.
   const int64_t width = integer_activations(p.format) ? 16 : 4;
   const int64_t tiles = (N + width - 1) / width;
