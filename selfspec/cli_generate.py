@@ -46,6 +46,13 @@ class GenerateArgs(TargetOptions):
         default=DraftSampling.TOP_K, metadata={"help": "how children are drawn when sampling"}
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
+    speculation_gate: bool = field(
+        default=True,
+        metadata={
+            "help": "an adaptive tree's steps draft only while drafting commits more tokens per "
+            "second than plain decoding; --no-speculation-gate: draft at every step"
+        },
+    )
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
@@ -138,6 +145,8 @@ def main(argv: Sequence[str]) -> int:
             else None
         )
         generator = SpeculativeGenerator(target.model, heads, tokenizer, curve)
+        if not args.speculation_gate:
+            generator.gate = None
         stream = generator.stream(prompt_ids, config, scope)
     # TargetLoadError, HeadsCheckpointError, FingerprintMismatch and AdapterError are ValueErrors.
     except (FileNotFoundError, ValueError) as error:
