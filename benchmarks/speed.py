@@ -189,6 +189,8 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
             heads = load_heads(resolve_heads_dir(spec_name, True), target.model)
             label = Path(spec_name).name if Path(spec_name).is_dir() else spec_name
             generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
+            if not args.speculation_gate:
+                generator.gate = None  # adaptive trees draft at every step: the sizer alone
             deepest = heads.config.num_heads if heads.config.kind.value == "medusa" else None
             for tree_name, tree in trees.items():
                 if deepest is not None and tree is not None and tree.depth > deepest:
@@ -252,6 +254,12 @@ def main() -> int:
         default="auto",
         help="selfspec's targets: the row-invariant kernels (auto: C++ where built, else the "
         "torch fallback; off: transformers' ops, float32/bfloat16 only)",
+    )
+    parser.add_argument(
+        "--no-speculation-gate",
+        dest="speculation_gate",
+        action="store_false",
+        help="adaptive trees draft at every step (the tree sizer alone, no per-step gate)",
     )
     parser.add_argument(
         "--llama-cpp",
