@@ -24,6 +24,7 @@ from selfspec.cost_curve import cpu_flags, cpu_model, machine_cost_curve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.kernels.ops import kernel_isa
+from selfspec.modes import split_mode
 from selfspec.shipped import shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 from selfspec.tree import parse_tree_spec
@@ -52,8 +53,8 @@ def main() -> int:
     prompts = [row["prompt"] for row in rows[: args.num_prompts]]
     results = []
     for dtype in args.dtypes:
-        name, _, activations = dtype.partition(":")  # float32:float / float32:int24
-        target = load_target(TargetSpec(dtype=name, activations=activations or "auto"))
+        name, activations = split_mode(dtype)  # float32:float / float32:int24
+        target = load_target(TargetSpec(dtype=name, activations=activations))
         heads = load_heads(shipped_heads_dir("eagle"), target.model)
         curve = machine_cost_curve(target.model)
         generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)

@@ -37,6 +37,7 @@ from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_flags, cpu_model
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
+from selfspec.modes import split_mode
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import (
     LoadedTarget,
@@ -137,12 +138,12 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
     n = args.max_new_tokens
     for dtype in args.dtypes:
         # "float32:float" / "float32:int24": float32 with that activation arithmetic
-        name, _, activations = dtype.partition(":")
+        name, activations = split_mode(dtype)
         spec = TargetSpec(
             dtype=name,
             threads=args.threads,
             kernels=KERNELS[args.kernels],
-            activations=activations or "auto",
+            activations=activations,
         )
         target = load_target(spec)
         if dtype in HF_DTYPES:

@@ -697,6 +697,7 @@ class GenerationStream:
         self._prefill_seconds = 0.0
         self._result: GenerationResult | None = None
         self._decode_started = 0.0
+        self._gate = self._speculation_gate()
 
     @property
     def owner(self) -> SpeculativeGenerator:
@@ -785,7 +786,7 @@ class GenerationStream:
         adaptive tree (or any adaptive one), its speculation gate decides whether the step
         drafts at all (``SpeculativeGenerator.gate``): speculation never loses to plain
         decoding for long, and the output is what it would be either way."""
-        gate = self._owner.gate if self._gated else None
+        gate = self._gate
         if gate is None:
             return self.verify(self.draft())
         speculate = gate.choose(1)
@@ -794,14 +795,15 @@ class GenerationStream:
         gate.observe(1, speculate, len(output.token_ids), time.perf_counter() - started)
         return output
 
-    @property
-    def _gated(self) -> bool:
-        """Whether ``step`` asks the gate: a speculating request on an adaptive tree whose
-        output does not depend on its trees (``trees_may_vary``)."""
-        if not self._config.speculate or self._owner.gate is None or not self.trees_may_vary:
-            return False
-        tree = self._owner.tree_for(self._config)
-        return isinstance(tree, DynamicTree) and tree.adaptive
+    def _speculation_gate(self) -> SpeculationGate | None:
+        """The generator's gate if ``step`` asks it (decided once, when the request starts): a
+        speculating request on an adaptive tree whose output does not depend on its trees
+        (``trees_may_vary``); else None."""
+        owner, config = self._owner, self._config
+        if not config.speculate or owner.gate is None or not self.trees_may_vary:
+            return None
+        tree = owner.tree_for(config)
+        return owner.gate if isinstance(tree, DynamicTree) and tree.adaptive else None
 
     def verify(self, drafted: DraftedStep) -> StepOutput:
         """Finish the step of ``draft()`` with a verification forward of its own."""

@@ -21,10 +21,19 @@ ACTIVATIONS_HELP = (
 )
 
 
-def check_activations(activations: str, flag: str = "--activations") -> None:
+def check_activations(
+    activations: str, dtype: str, kernels: bool | None, flag: str = "--activations"
+) -> None:
+    """``activations`` is one of ``ACTIVATION_NAMES``, and "int24" comes with float32 through
+    the kernels (it is float32's arithmetic there)."""
     if activations not in ACTIVATION_NAMES:
         raise ValueError(
             f"{flag} must be one of {', '.join(ACTIVATION_NAMES)}, got {activations!r}"
+        )
+    if activations == "int24" and (dtype != "float32" or kernels is False):
+        raise ValueError(
+            f"{flag} 'int24' is float32's arithmetic through the kernels (dtype float32, "
+            f"kernels not off); got dtype {dtype!r}, kernels {kernels!r}"
         )
 
 
@@ -38,6 +47,17 @@ KERNELS_HELP = (
 def check_dtype(dtype: str, flag: str = "--dtype") -> None:
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"{flag} must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """A benchmark's mode name, a dtype with float32's activations after a colon
+    ("float32:int24", "float32:float") or a dtype alone (activations "auto"), as (dtype,
+    activations), both checked."""
+    dtype, _, activations = mode.partition(":")
+    activations = activations or "auto"
+    check_dtype(dtype, "mode")
+    check_activations(activations, dtype, None, "mode")
+    return dtype, activations
 
 
 DEVICE_NAMES = ("auto", "cpu", "cuda")

@@ -145,13 +145,7 @@ class TargetSpec:
                 "TargetSpec.packed_weights must be None, True or False, "
                 f"got {self.packed_weights!r}"
             )
-        check_activations(self.activations, "TargetSpec.activations")
-        if self.activations == "int24" and (self.dtype != "float32" or self.kernels is False):
-            raise ValueError(
-                "TargetSpec.activations='int24' is float32's arithmetic through the kernels "
-                f"(dtype='float32', kernels not False); got dtype={self.dtype!r}, "
-                f"kernels={self.kernels!r}"
-            )
+        check_activations(self.activations, self.dtype, self.kernels, "TargetSpec.activations")
         check_device(self.device, "TargetSpec.device")
         cpu_only = self.cpu_only_reason()
         if cpu_only is not None and self.device.startswith("cuda"):

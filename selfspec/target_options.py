@@ -40,12 +40,7 @@ class TargetOptions:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
-        check_activations(self.activations)
-        if self.activations == "int24" and (self.dtype != "float32" or self.kernels is False):
-            raise ValueError(
-                "--activations int24 is float32's arithmetic through the kernels: use it with "
-                "--dtype float32 and without --no-kernels"
-            )
+        check_activations(self.activations, self.dtype, self.kernels)
         check_device(self.device)
         cpu_only = cpu_only_reason(self.dtype, self.kernels, activations=self.activations)
         if cpu_only is not None and self.device.startswith("cuda"):
