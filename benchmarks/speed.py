@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_flags, cpu_model
+from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.modes import split_mode
@@ -54,6 +55,9 @@ PACKING = {"auto": None, "on": True, "off": False}
 KERNELS = {"auto": None, "on": True, "off": False}
 HF_DTYPES = ("float32", "bfloat16")  # the modes transformers runs itself
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
+CONTEXT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+"""--context-drafts: speculative rows with the heads' drafts alone, with chains copied from the
+request's context as well (rows "... + context", the CLI's and server's default), or both."""
 
 
 @dataclass
@@ -91,9 +95,15 @@ def hf_generate(target: LoadedTarget, max_new: int, lookup: int = 0) -> Callable
 
 
 def selfspec_generate(
-    generator: SpeculativeGenerator, max_new: int, speculate: bool, tree: TreeSpec | None
+    generator: SpeculativeGenerator,
+    max_new: int,
+    speculate: bool,
+    tree: TreeSpec | None,
+    context_drafts: ContextDrafts | None = None,
 ) -> Callable:
-    config = GenerationConfig(max_new_tokens=max_new, speculate=speculate, tree=tree)
+    config = GenerationConfig(
+        max_new_tokens=max_new, speculate=speculate, tree=tree, context_drafts=context_drafts
+    )
 
     def run(prompt: list[int]) -> tuple[list[int], float]:
         result = generator.generate(prompt, config)
@@ -198,10 +208,11 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
                     if not isinstance(tree, DynamicTree):
                         continue  # a static tree deeper than the Medusa heads: not runnable
                     tree = replace(tree, depth=deepest)
-                runner = selfspec_generate(generator, n, True, tree)
-                methods.append(
-                    Method(f"selfspec {label} {tree_name}", dtype, runner, "speculative")
-                )
+                for with_context in CONTEXT_MODES[args.context_drafts]:
+                    drafts = ContextDrafts() if with_context else None
+                    runner = selfspec_generate(generator, n, True, tree, drafts)
+                    name = f"selfspec {label} {tree_name}" + (" + context" if with_context else "")
+                    methods.append(Method(name, dtype, runner, "speculative"))
     if args.llama_cpp:
         runner = llama_cpp_generate(n, args.threads)
         methods.append(Method("llama.cpp (same GGUF file)", "gguf", runner, "llama.cpp"))
@@ -255,6 +266,13 @@ def main() -> int:
         default="auto",
         help="selfspec's targets: the row-invariant kernels (auto: C++ where built, else the "
         "torch fallback; off: transformers' ops, float32/bfloat16 only)",
+    )
+    parser.add_argument(
+        "--context-drafts",
+        choices=list(CONTEXT_MODES),
+        default="both",
+        help="speculative rows with the heads' drafts alone (off), with chains copied from the "
+        "request's context too (on: the CLI's default), or both",
     )
     parser.add_argument(
         "--no-speculation-gate",

@@ -15,7 +15,10 @@ all decode steps of all prompts of a category (as `selfspec.train.tau` measures 
 acceptance rate per depth beside it. **mean τ** is the unweighted mean of the category τs (each
 category counts alike, as the "Mean" column of the EAGLE-2/3 tables); **pooled τ** pools every
 step of every category (total tokens / total forwards). Medusa drafts no deeper than its number
-of heads, so its tree's depth is capped there, and the table says so.
+of heads, so its tree's depth is capped there, and the table says so. By default each heads set
+is measured twice: drafting alone, and with chains copied from the request's own context grafted
+into its tree (row "NAME + context", the default of `selfspec generate` and `serve`; the tree's
+depth and node budget bound both alike); `--context-drafts on|off` measures one of them.
 
 Before anything is measured, every held-out prompt is compared with the training prompts
 (`train/data/prompts.jsonl` and each `--train-data`: a prompts JSONL / datasets directory, or a
@@ -49,6 +52,7 @@ from torch import nn
 
 from selfspec.atomic import write_file_atomic, write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model
+from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
 from selfspec.kernels.ops import kernel_isa
@@ -89,6 +93,8 @@ class HeadsRun:
     """Why the tree differs from the requested one (Medusa's depth), else empty."""
     source: str = ""
     """Where the heads came from (a directory), for the record."""
+    context_drafts: ContextDrafts | None = None
+    """Also draft chains copied from the request's context (``selfspec.drafting.context``)."""
 
 
 # -- the held-out prompts ---------------------------------------------------------------------
@@ -327,6 +333,7 @@ def measure_run(
         sampling=SamplingParams(temperature=temperature),
         tree=run.tree,
         draft_sampling=draft_sampling,
+        context_drafts=run.context_drafts,
         stop_token_ids=stop_token_ids,
     )
     tokenizer = generator.tokenizer
@@ -351,6 +358,7 @@ def measure_run(
         "source": run.source,
         "temperature": temperature,
         "tree": vars(run.tree),
+        "context_drafts": None if run.context_drafts is None else asdict(run.context_drafts),
         "note": run.note,
         "categories": categories,
         "pooled": pooled_tau(every_step),
@@ -419,14 +427,20 @@ def parse_heads_arg(text: str) -> tuple[str, Path]:
     return name, Path(path).expanduser()
 
 
+CONTEXT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+"""--context-drafts: whether each heads set drafts alone, with context drafts, or is measured
+both ways (a row "NAME + context" beside "NAME")."""
+
+
 def load_runs(
     model: nn.Module,
     shipped: Sequence[str],
     extra: Sequence[tuple[str, Path]],
     tree: DynamicTree,
+    context: str = "off",
 ) -> list[HeadsRun]:
     """The shipped heads named in ``shipped``, then each (name, directory) of ``extra``, each
-    with the tree it can draft."""
+    with the tree it can draft, alone and/or with context drafts as ``context`` says."""
     sources = [(kind, shipped_heads_dir(kind)) for kind in shipped] + list(extra)
     names = [name for name, _ in sources]
     if len(set(names)) != len(names):
@@ -435,7 +449,10 @@ def load_runs(
     for name, path in sources:
         heads = load_heads(path, model)
         heads_tree, note = tree_for_heads(heads, tree)
-        runs.append(HeadsRun(name, heads, heads_tree, note, str(path)))
+        for with_context in CONTEXT_MODES[context]:
+            label = f"{name} + context" if with_context else name
+            drafts = ContextDrafts() if with_context else None
+            runs.append(HeadsRun(label, heads, heads_tree, note, str(path), drafts))
     return runs
 
 
@@ -597,6 +614,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=96, help="per prompt")
     parser.add_argument(
+        "--context-drafts",
+        choices=list(CONTEXT_MODES),
+        default="both",
+        help="heads alone (off), with chains copied from the request's context (on), or both",
+    )
+    parser.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy"
     )
     parser.add_argument("--seed", type=int, default=0, help="base of the per-prompt seeds")
@@ -674,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return DEDUP_EXIT
     if args.check_only:
         return 0
-    runs = load_runs(target.model, args.shipped, args.heads, tree)
+    runs = load_runs(target.model, args.shipped, args.heads, tree, args.context_drafts)
     if not runs:
         print("error: no heads to measure (--shipped and --heads both empty)", file=sys.stderr)
         return 1
@@ -687,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "per_category": ", ".join(f"{c} {len(g)}" for c, g in groups.items()),
         "tree": vars(tree),
         "max_new_tokens": args.max_new_tokens,
+        "context_drafts": args.context_drafts,
         "temperatures": args.temperatures,
         "seed": args.seed,
         "draft_sampling": args.draft_sampling,

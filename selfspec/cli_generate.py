@@ -53,6 +53,13 @@ class GenerateArgs(TargetOptions):
             "second than plain decoding; --no-speculation-gate: draft at every step"
         },
     )
+    context_drafts: bool = field(
+        default=True,
+        metadata={
+            "help": "also draft chains copied from the prompt and the text so far into each "
+            "tree (lossless); --no-context-drafts: the heads' drafts alone"
+        },
+    )
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
@@ -99,6 +106,7 @@ def resolve_heads(
 def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
+    from selfspec.drafting.context import ContextDrafts
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
     from selfspec.target import apply_chat_template, load_target
 
@@ -121,6 +129,7 @@ def main(argv: Sequence[str]) -> int:
             speculate=args.speculation,
             tree=parse_tree_spec(args.tree),
             draft_sampling=args.draft_sampling,
+            context_drafts=ContextDrafts() if args.context_drafts else None,
         )
         scope = None
         if args.adapter is not None:

@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import AdvanceRequest, Drafter, DraftPlan, DraftRequest, make_drafter
+from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
 from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
@@ -66,6 +67,9 @@ class GenerationConfig:
     tree: TreeSpec | None = None
     """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
     draft_sampling: DraftSampling = DraftSampling.TOP_K
+    context_drafts: ContextDrafts | None = ContextDrafts()
+    """Also draft a chain copied from the request's own context (prompt and output so far)
+    into each tree (``selfspec.drafting.context``); None: the heads' drafts alone."""
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: each generated token's, with its k best alternatives
     (``selfspec.logprobs``)."""
@@ -92,6 +96,10 @@ class GenerationConfig:
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         object.__setattr__(self, "draft_sampling", DraftSampling(self.draft_sampling))
+        if self.context_drafts is not None and not isinstance(self.context_drafts, ContextDrafts):
+            raise TypeError(
+                f"context_drafts must be a ContextDrafts or None, got {self.context_drafts!r}"
+            )
 
 
 class FinishReason(str, Enum):
@@ -184,6 +192,9 @@ class RequestState:
     recorded_features: list[torch.Tensor] | None = None
     """With ``GenerationConfig.record_features``: the last hidden states of every committed
     position so far, in order (the prompt's, then each step's accepted path) # [n_i, H] fp16."""
+    context: ContextIndex | None = None
+    """With ``GenerationConfig.context_drafts`` in a speculating request: the prompt and the
+    committed tokens, indexed for context drafts."""
 
     @property
     def calibration(self) -> float:
@@ -204,6 +215,8 @@ class DraftedStep:
     request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
     drafting_seconds: float = 0.0
     """What drafting this tree took (joint sizing counts it in the round's time)."""
+    context: ContextChain | None = None
+    """The context chain offered to this tree (kept in it or not), observed at ``conclude``."""
 
 
 @dataclass(frozen=True)
@@ -406,6 +419,8 @@ class SpeculativeGenerator:
             root_token=first,
             taps=progress.taps,
         )
+        if config.speculate and config.context_drafts is not None:
+            state.context = ContextIndex(config.context_drafts, [*prompt.tolist(), first])
         if config.logprobs is not None:
             state.logprobs = []
             chosen = torch.tensor([first], device=logits.device)
@@ -502,6 +517,7 @@ class SpeculativeGenerator:
                     drafted=plan is not None,
                     sizer=plan.sizer if plan is not None and plan.defer_keep else None,
                     drafting_seconds=0.0 if plan is None else drafting,
+                    context=None if plan is None else plan.context,
                 )
             )
         return out
@@ -528,6 +544,7 @@ class SpeculativeGenerator:
             params=config.sampling,
             sizer=sizer,
             defer_keep=step.joint and sizer is not None and getattr(spec, "adaptive", False),
+            context=None if state.context is None else state.context.propose(),
         )
 
     def resize(self, state: RequestState, drafted: DraftedStep, count: int) -> DraftedStep:
@@ -642,6 +659,11 @@ class SpeculativeGenerator:
             else:  # the next step that drafts catches up (``_catch_up``)
                 state.deferred_advance.append((path_features, accepted_tokens))
         state.root_token = verdict.bonus
+        if state.context is not None:
+            committed = [*accepted_tokens[1:].tolist(), verdict.bonus]
+            if drafted.context is not None:
+                state.context.observe(drafted.context, committed)
+            state.context.extend(committed)
         if sum(len(tokens) for _, tokens in state.deferred_advance) >= MAX_DEFERRED_TOKENS:
             self._catch_up([state])  # bounded memory however long drafting stays off
         if config.logprobs is not None:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfspec.adapters.errors import AdapterError
 from selfspec.adapters.store import AdapterStore
+from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, GenerationResult, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.heads.delta import DELTA_DIR, DeltaBank, DeltaError, load_delta, save_delta
@@ -71,6 +72,9 @@ class ServerState:
     max_queue_per_adapter: int | None = None
     """Waiting places one adapter may hold; None: all but a quarter of max_queue."""
     batch_verify: bool = True
+    context_drafts: ContextDrafts | None = ContextDrafts()
+    """Every speculative request also drafts chains copied from its own context
+    (``selfspec.drafting.context``); None: the heads' drafts alone."""
     speculation_gate: bool = True
     """Rounds speculate only where that commits more tokens per second (``SpeculationGate``);
     False: every round of a speculating request drafts."""
@@ -441,6 +445,7 @@ async def _serve(
         stop_token_ids=() if parsed.ignore_eos else None,
         speculate=speculate,
         tree=state.tree,
+        context_drafts=state.context_drafts,
         logprobs=parsed.logprobs,
         prompt_logprobs=parsed.echo and parsed.logprobs is not None,
         prefix_namespace=(adapter or state.model_name) if state.prefix_cache is not None else None,

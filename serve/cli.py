@@ -70,6 +70,13 @@ class ServeArgs(TargetOptions):
             "per request, interleaved"
         },
     )
+    context_drafts: bool = field(
+        default=True,
+        metadata={
+            "help": "speculative requests also draft chains copied from their prompt and text "
+            "so far (lossless); --no-context-drafts: the heads' drafts alone"
+        },
+    )
     speculation_gate: bool = field(
         default=True,
         metadata={
@@ -252,6 +259,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.adapters.shipped import examples_root
     from selfspec.adapters.store import AdapterStore, StoreConfig
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
+    from selfspec.drafting.context import ContextDrafts
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
     from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -296,6 +304,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         max_queue=args.max_queue,
         max_queue_per_adapter=args.max_queue_per_adapter,
         batch_verify=args.batch_verify,
+        context_drafts=ContextDrafts() if args.context_drafts else None,
         speculation_gate=args.speculation_gate,
         prefill_chunk=args.prefill_chunk or None,
         adapter_heads=args.adapter_heads,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from batched_streams import run_batched
-from tiny_models import ARCHS, make_tiny_model, save_tiny_target
+from tiny_models import make_lively_model, make_tiny_model, redraw_lively, save_tiny_target
 
 from selfspec.cost_curve import measure_cost_curve
 from selfspec.fingerprint import fingerprint_of
@@ -41,20 +41,10 @@ TREES = {
 SAMPLED = SamplingParams(temperature=0.8, top_k=40)
 
 
-def _lively(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                big = any(part in name for part in ("embed", "wte", "wpe", "lm_head"))
-                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 if big else 0.2))
-    return model
-
-
 @functools.cache
 def _model(arch: str, device: str) -> torch.nn.Module:
     """test_generation.py's models (whose top-2 gaps it checks along this prompt's output)."""
-    return _lively(make_tiny_model(arch, seed=0), seed=ARCHS.index(arch)).to(device)
+    return make_lively_model(arch).to(device)
 
 
 def _heads(arch: str, kind: str) -> torch.nn.Module:
@@ -213,7 +203,7 @@ def test_the_lora_bank_on_the_gpu_applies_each_rows_adapter() -> None:
     pytest.importorskip("peft")
     from selfspec.adapters import fast_lora
 
-    model = _lively(make_tiny_model("llama"), seed=0).to(CUDA)
+    model = redraw_lively(make_tiny_model("llama"), seed=0).to(CUDA)
     bank = fast_lora.LoraBank(model)
     hidden = model.config.hidden_size
     cpu = torch.Generator().manual_seed(5)

@@ -143,8 +143,9 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
     assert torch.equal(heads.t2d.nonzero().flatten(), heads.draft_vocab)
     generator = SpeculativeGenerator(model, heads)
     drafted = drafted_tokens(monkeypatch, generator.drafter)
-    for tree in TREES.values():
-        assert generator.generate(PROMPT, _greedy(tree)).token_ids == list(_vanilla(arch))
+    for tree in TREES.values():  # the heads' drafts alone (context drafts copy any token)
+        result = generator.generate(PROMPT, _greedy(tree, context_drafts=None))
+        assert result.token_ids == list(_vanilla(arch))
     assert drafted and set(drafted) <= allowed
     # Sampling with drafts drawn without replacement: the proposal is spread back over the whole
     # vocabulary, and seeded runs repeat.

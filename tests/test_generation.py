@@ -1,10 +1,11 @@
 """The decoding loop: lossless greedy speculation, oracle drafts, determinism, stops, bad input.
 
 Models: the tiny random models of tiny_models.py with their weights redrawn at a larger scale
-(`_lively`). At the default init (std 0.02) the tied-embedding tiny models (llama, gpt2) just
-repeat the last prompt token and the others have top-2 logit gaps of ~1e-4, so "speculative ==
-vanilla" would be checked on trivial sequences or within float noise. Redrawn, every architecture
-produces varied text with top-2 gaps > 1e-3, which `_vanilla` asserts along the whole output.
+(`make_lively_model`). At the default init (std 0.02) the tied-embedding tiny models (llama,
+gpt2) just repeat the last prompt token and the others have top-2 logit gaps of ~1e-4, so
+"speculative == vanilla" would be checked on trivial sequences or within float noise. Redrawn,
+every architecture produces varied text with top-2 gaps > 1e-3, which `_vanilla` asserts along
+the whole output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from draft_spy import drafted_tokens
 from oracle_drafter import OracleDrafter
-from tiny_models import ARCHS, VOCAB_SIZE, make_tiny_model
+from tiny_models import ARCHS, VOCAB_SIZE, make_lively_model
 from transformers import DynamicCache, PreTrainedModel
 
 import selfspec.generation as generation_module
@@ -47,21 +48,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _lively(model: PreTrainedModel, seed: int) -> PreTrainedModel:
-    """Redraw every weight matrix: std 0.5 for embeddings / lm_head, 0.2 for the rest."""
-    generator = torch.Generator().manual_seed(seed)
-    embedding_names = ("embed", "wte", "wpe", "lm_head")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() >= 2:
-                std = 0.5 if any(part in name for part in embedding_names) else 0.2
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-    return model
-
-
 @functools.cache
 def _model(arch: str) -> PreTrainedModel:
-    return _lively(make_tiny_model(arch, seed=0), seed=ARCHS.index(arch))
+    return make_lively_model(arch)
 
 
 @functools.cache
@@ -93,7 +82,7 @@ def _heads(arch: str, kind: str, perturbed: bool) -> torch.nn.Module:
 
 
 def _greedy(
-    tree: TreeSpec | None, new_tokens: int = NEW_TOKENS, **kwargs: bool
+    tree: TreeSpec | None, new_tokens: int = NEW_TOKENS, **kwargs: object
 ) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=new_tokens, tree=tree, stop_token_ids=NO_STOP, **kwargs)
 
@@ -160,7 +149,7 @@ def test_oracle_chain_accepts_full_depth(arch: str, monkeypatch: pytest.MonkeyPa
     generator = SpeculativeGenerator(_model(arch))
     generator.drafter = OracleDrafter(known, VOCAB_SIZE)
     commits = _spy_commits(monkeypatch)
-    result = generator.generate(PROMPT, _greedy(StaticTree.chain(depth)))
+    result = generator.generate(PROMPT, _greedy(StaticTree.chain(depth), context_drafts=None))
     assert result.token_ids == known[:NEW_TOKENS]
     assert result.stats.accepted_lengths == [depth] * len(result.stats.steps)
     assert result.stats.tau == depth + 1
@@ -180,7 +169,7 @@ def test_oracle_tree_with_correct_token_at_rank_one(
     oracle = OracleDrafter(known, VOCAB_SIZE, correct_rank=(1, 0, 1))
     generator.drafter = oracle
     commits = _spy_commits(monkeypatch)
-    result = generator.generate(PROMPT, _greedy(tree))
+    result = generator.generate(PROMPT, _greedy(tree, context_drafts=None))
     assert result.token_ids == known[:NEW_TOKENS]
     assert commits == [[0, 2, 5, 12]] * len(result.stats.steps)
     assert result.stats.tau == tree.depth + 1
@@ -402,8 +391,8 @@ def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(
     allowed = set(heads.draft_vocab.tolist())
     generator = SpeculativeGenerator(_model(arch), heads)
     drafted = drafted_tokens(monkeypatch, generator.drafter)
-    for tree in TREES.values():
-        result = generator.generate(PROMPT, _greedy(tree))
+    for tree in TREES.values():  # the heads' drafts alone (context drafts copy any token)
+        result = generator.generate(PROMPT, _greedy(tree, context_drafts=None))
         assert result.token_ids == list(_vanilla(arch))
     assert drafted and set(drafted) <= allowed
     # Sampling: the proposal is spread back over the whole vocabulary (zero outside the draft

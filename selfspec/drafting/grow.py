@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from selfspec.drafting.context import ContextChain
 from selfspec.drafting.projection import DraftProjection
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.sampling import SamplingParams, warp_probs
@@ -38,6 +39,9 @@ class DraftPlan:
     """With a sizer: it chooses the depth, but the tree keeps its best ``tree.budget`` nodes and
     the caller chooses how many to verify (``sizing.joint_keep`` for a batch, then
     ``tree.prune``)."""
+    context: ContextChain | None = None
+    """A chain copied from the request's context (``selfspec.drafting.context``), grafted into
+    the grown tree before its nodes are chosen, so it competes with the heads' nodes by score."""
 
 
 @dataclass
@@ -194,6 +198,7 @@ def _grow_dynamic(
             tree.scores[1:], [tree.scores[n] for n in frontier], clock(), depth, spec
         ):
             break
+    grafted = graft_context(tree, plan.context, spec.depth)
     # Keep the best drafted nodes. A child never outscores its parent (log-probs <= 0) and ties
     # keep creation order, so every kept node's parent is kept too.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
@@ -202,7 +207,7 @@ def _grow_dynamic(
         scores = [tree.scores[n] for n in ranked[:budget]]
         budget = sizer.keep(scores, clock())
     keep = [0, *sorted(ranked[:budget])]
-    return _finish(tree, keep, plan, projection, pruned=len(keep) < tree.size)
+    return _finish(tree, keep, plan, projection, pruned=grafted or len(keep) < tree.size)
 
 
 def _grow_static(
@@ -233,7 +238,36 @@ def _grow_static(
                 node_of[prefix] = tree.add(
                     node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
                 )
-    return _finish(tree, list(range(tree.size)), plan, projection)
+    grafted = graft_context(tree, plan.context, spec.depth)
+    return _finish(tree, list(range(tree.size)), plan, projection, pruned=grafted)
+
+
+def graft_context(tree: GrowingTree, chain: ContextChain | None, depth: int) -> bool:
+    """Add ``chain``'s first ``depth`` tokens (the tree's depth bound) below the root, following
+    nodes the heads drafted with the same tokens and appending the rest after their siblings;
+    each node on it scores the better of its two estimates. Both kinds of score fall along a
+    path, so a child still never outscores its parent. Returns whether nodes were added (they
+    are point-mass proposals, outside any draw)."""
+    if chain is None or not chain.tokens:
+        return False
+    child_of: dict[tuple[int, int], int] = {}
+    children = [0] * tree.size
+    for node in range(1, tree.size):
+        child_of.setdefault((tree.parents[node], tree.tokens[node]), node)
+        children[tree.parents[node]] += 1
+    node, added = 0, False
+    for token, score in zip(chain.tokens[:depth], chain.scores[:depth], strict=True):
+        child = child_of.get((node, token))
+        if child is None:
+            child = tree.add(node, token, children[node], 0.0)
+            children[node] += 1
+            children.append(0)
+            tree.scores[child] = score
+            added = True
+        else:
+            tree.scores[child] = max(tree.scores[child], score)
+        node = child
+    return added
 
 
 def _finish(
@@ -246,8 +280,9 @@ def _finish(
     """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents.
 
     A sampled child that survived pruning was kept *because of its value*, so it is no longer
-    a draw from the without-replacement proposal; such trees are verified with the point-mass
-    rule, which is exact for any candidates chosen without the target's randomness.
+    a draw from the without-replacement proposal (nor is a grafted context chain); such trees
+    are verified with the point-mass rule, which is exact for any candidates chosen without the
+    target's randomness.
     """
     new_index = {old: new for new, old in enumerate(keep)}
     device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")

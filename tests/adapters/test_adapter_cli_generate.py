@@ -130,3 +130,29 @@ def test_generate_asks_the_speculation_gate_unless_told_not_to(
     asked.clear()
     code, ungated = _generate(capsys, *common, "--no-speculation-gate")
     assert code == 0 and not asked and ungated["token_ids"] == gated["token_ids"]
+
+
+def test_generate_drafts_from_context_unless_told_not_to(
+    capsys, target_and_heads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Context drafts are on by default (a request indexes its tokens); --no-context-drafts
+    leaves them out; the output is the same either way."""
+    import selfspec.generation as generation
+
+    indexed: list[int] = []
+
+    class CountingIndex(generation.ContextIndex):
+        def __init__(self, options, tokens) -> None:
+            indexed.append(len(tokens))
+            super().__init__(options, tokens)
+
+    monkeypatch.setattr(generation, "ContextIndex", CountingIndex)
+    target, heads = target_and_heads
+    common = ["--prompt", PROMPT, "--model", str(target), "--heads", str(heads)]
+    common += ["--tree", "dynamic:2,3,6"]
+    code, with_context = _generate(capsys, *common)
+    assert code == 0 and indexed == [len(make_tiny_tokenizer().encode(PROMPT)) + 1]
+    indexed.clear()
+    code, heads_only = _generate(capsys, *common, "--no-context-drafts")
+    assert code == 0 and not indexed
+    assert heads_only["token_ids"] == with_context["token_ids"]

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -14,6 +15,7 @@ import torch
 from tiny_models import make_tiny_model, make_tiny_tokenizer
 from train_helpers import PROMPTS
 
+from selfspec.drafting.context import ContextDrafts
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.tree import DynamicTree
 
@@ -100,6 +102,17 @@ def test_tau_per_category_on_a_tiny_model(tau_heldout: ModuleType, heldout: list
         assert {k: result[k] for k in counts} == {
             k: rows[1]["categories"][category][k] for k in counts
         }
+    # With context drafts the row says so (the loop's own tests check what they change).
+    with_context = tau_heldout.measure_run(
+        tau_heldout.SpeculativeGenerator(model, runs[0].heads, tokenizer),
+        replace(runs[0], name="eagle + context", context_drafts=ContextDrafts(max_tokens=3)),
+        heldout,
+        0.0,
+        max_new_tokens=8,
+        stop_token_ids=(),
+    )
+    assert with_context["heads"] == "eagle + context"
+    assert with_context["context_drafts"]["max_tokens"] == 3 and rows[0]["context_drafts"] is None
     # The tables render every row and every category, and the report is JSON.
     report = {
         "date": "today",

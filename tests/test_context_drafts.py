@@ -1,0 +1,162 @@
+"""Context drafts: the n-gram index, its chain grafted into a tree, lossless decoding with it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import make_lively_model
+
+from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
+from selfspec.drafting.grow import DraftPlan, GrowingTree, graft_context, grow_tree
+from selfspec.generation import GenerationConfig, SpeculativeGenerator
+from selfspec.heads import build_heads, heads_config_for
+from selfspec.sampling import SamplingParams
+from selfspec.tree import DraftSampling, DynamicTree, StaticTree
+
+
+def test_longest_ngram_wins_and_its_latest_occurrence_proposes() -> None:
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [5, 6, 7, 1, 9, 6, 7, 2, 3, 5, 6, 7]
+    index = ContextIndex(ContextDrafts(max_tokens=3, max_ngram=3), tokens)
+    chain = index.propose()
+    # "5 6 7" ends at 2 only; "6 7" would have picked the later 6 7 at 6 (followed by 2 3 5).
+    assert chain is not None and chain.tokens == (1, 9, 6)
+    index = ContextIndex(ContextDrafts(max_tokens=3, max_ngram=2), tokens)
+    assert index.propose().tokens == (2, 3, 5)
+
+
+def test_no_earlier_occurrence_proposes_nothing_and_the_suffix_itself_never_matches() -> None:
+    index = ContextIndex(ContextDrafts(), [1, 2, 3, 4])
+    assert index.propose() is None
+    index.extend([2])  # "2" occurred before, followed by 3
+    assert index.propose().tokens == (3, 4, 2)
+    assert ContextIndex(ContextDrafts(), [7]).propose() is None
+
+
+def test_min_ngram_excludes_short_matches() -> None:
+    tokens = [1, 2, 3, 9, 3]
+    assert ContextIndex(ContextDrafts(min_ngram=1), tokens).propose().tokens == (9, 3)
+    assert ContextIndex(ContextDrafts(min_ngram=2), tokens).propose() is None
+
+
+def test_scores_follow_the_observed_match_rates() -> None:
+    index = ContextIndex(ContextDrafts(max_tokens=4), [4, 5, 6, 7, 4])
+    chain = index.propose()
+    assert chain.tokens == (5, 6, 7, 4) and chain.ngram == 1  # "4" alone occurred before
+    assert chain.scores == pytest.approx([math.log(0.5) * i for i in (1, 2, 3, 4)])
+    index.observe(chain, [5, 6, 7, 4, 5])  # all four matched
+    assert index.first_rates[1].value == pytest.approx(2 / 3)
+    assert index.next_rate.value == pytest.approx((1 + 3) / (2 + 3))
+    index.observe(chain, [8])  # the first missed: nothing said about the others
+    assert index.first_rates[1].value == pytest.approx(2 / 4)
+    assert index.next_rate.value == pytest.approx(4 / 5)
+    index.observe(chain, [5, 6])  # two matched; nothing committed beyond them to test
+    assert index.first_rates[1].value == pytest.approx(3 / 5)
+    assert index.next_rate.value == pytest.approx(5 / 6)
+    assert index.first_rates[2].value == pytest.approx(0.5)  # other n-gram lengths: the prior
+    later = index.propose()
+    expected = [math.log(3 / 5) + math.log(5 / 6) * i for i in range(4)]
+    assert later.scores == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(max_tokens=0), dict(min_ngram=0), dict(min_ngram=3, max_ngram=2)]
+)
+def test_invalid_options_are_refused(options: dict) -> None:
+    with pytest.raises(ValueError, match="context drafts"):
+        ContextDrafts(**options)
+
+
+def test_generation_config_refuses_a_context_drafts_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="context_drafts"):
+        GenerationConfig(context_drafts=8)  # type: ignore[arg-type]
+
+
+def _drafted_tree() -> GrowingTree:
+    """root 0 -> 10 (node 1, -0.1), 11 (node 2, -2.0); 10 -> 12 (node 3, -0.5)."""
+    tree = GrowingTree(tokens=[0])
+    tree.add(0, 10, 0, -0.1)
+    tree.add(0, 11, 1, -2.0)
+    tree.add(1, 12, 0, -0.4)
+    return tree
+
+
+def test_graft_shares_drafted_nodes_and_appends_the_rest() -> None:
+    tree = _drafted_tree()
+    chain = ContextChain(tokens=(10, 13, 14), scores=(-0.3, -0.6, -0.9))
+    assert graft_context(tree, chain, depth=8)
+    assert tree.tokens == [0, 10, 11, 12, 13, 14]
+    assert tree.parents == [-1, 0, 0, 1, 1, 4]
+    assert tree.depths == [0, 1, 1, 2, 2, 3]
+    assert tree.ranks[4] == 1  # after node 3, the drafted child of node 1
+    assert tree.scores == pytest.approx([0.0, -0.1, -2.0, -0.5, -0.6, -0.9])
+    for node in range(1, tree.size):  # a child never outscores its parent
+        assert tree.scores[node] <= tree.scores[tree.parents[node]]
+
+
+def test_graft_raises_the_score_of_shared_nodes_and_respects_the_depth_bound() -> None:
+    tree = _drafted_tree()
+    chain = ContextChain(tokens=(11, 15, 16), scores=(-0.2, -0.4, -0.6))
+    assert graft_context(tree, chain, depth=2)
+    assert tree.tokens == [0, 10, 11, 12, 15]  # 16 would be at depth 3
+    assert tree.scores[2] == pytest.approx(-0.2)  # was -2.0 as the heads' draw
+    assert not graft_context(_drafted_tree(), ContextChain((10, 12), (-1.0, -2.0)), depth=4)
+    assert not graft_context(_drafted_tree(), None, depth=4)
+
+
+def _uniform_expand(vocab: int):
+    def expand(tree: GrowingTree, frontier: list[int]) -> torch.Tensor:
+        return torch.zeros(len(frontier), vocab)  # [F, N]: every child equally likely
+
+    return expand
+
+
+def test_a_grafted_chain_competes_for_the_budget_and_makes_point_mass_proposals() -> None:
+    vocab = 50
+    spec = DynamicTree(top_k=4, depth=3, budget=6)
+    chain = ContextChain(tokens=(40, 41, 42), scores=(-0.1, -0.2, -0.3))
+    sampled = DraftPlan(
+        tree=spec,
+        sampling=DraftSampling.WITHOUT_REPLACEMENT,
+        params=SamplingParams(temperature=1.0),
+        context=chain,
+    )
+    tree = grow_tree(0, _uniform_expand(vocab), sampled, torch.Generator().manual_seed(0))
+    assert tree.size == 1 + spec.budget
+    # The chain (scores near 0) outranks every uniform draw (log 1/50 per depth).
+    assert tree.tokens[1:].tolist().count(40) == 1 and {41, 42} <= set(tree.tokens.tolist())
+    assert tree.sampling is DraftSampling.TOP_K and tree.draft_probs.shape[0] == 0
+    plain = grow_tree(
+        0, _uniform_expand(vocab), DraftPlan(tree=StaticTree.chain(2), context=chain), None
+    )
+    assert plain.tokens.tolist()[-2:] == [40, 41]  # static trees: the chain, to their depth
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_context_drafts_are_lossless_and_accepted_where_text_repeats(arch: str, kind: str) -> None:
+    """The lively tiny models' greedy text repeats itself; with untrained heads, chains copied
+    from it are accepted beyond what the heads draft, and the output stays the vanilla output."""
+    model = make_lively_model(arch)
+    generator = SpeculativeGenerator(model, build_heads(heads_config_for(model, kind)).eval())
+    prompt = [1, 23, 5, 61, 8, 30]
+    config = GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree=DynamicTree(3, 4, 12))
+    vanilla = generator.generate(prompt, replace(config, speculate=False)).token_ids
+    heads_only = generator.generate(prompt, replace(config, context_drafts=None))
+    with_context = generator.generate(prompt, config)
+    assert heads_only.token_ids == vanilla
+    assert with_context.token_ids == vanilla
+    assert with_context.stats.tau > heads_only.stats.tau
+
+
+def test_context_drafts_keep_seeded_sampling_repeatable() -> None:
+    model = make_lively_model("llama")
+    generator = SpeculativeGenerator(model, build_heads(heads_config_for(model, "eagle")).eval())
+    config = GenerationConfig(
+        max_new_tokens=24, stop_token_ids=(), sampling=SamplingParams(temperature=0.8), seed=5
+    )
+    first = generator.generate([1, 23, 5, 61, 8, 30], config).token_ids
+    assert generator.generate([1, 23, 5, 61, 8, 30], config).token_ids == first
