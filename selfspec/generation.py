@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import AdvanceRequest, Drafter, DraftPlan, DraftRequest, make_drafter
 from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
+from selfspec.drafting.grow import context_tree
 from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.drafting.taps import LayerTaps, maybe_capture, taps_for
@@ -485,9 +486,13 @@ class SpeculativeGenerator:
         the drafting time. The caller runs them under one scope (the same adapter)."""
         speculating = [step.config.speculate and step.speculate for step in steps]
         self._catch_up([step.state for step, own in zip(steps, speculating, strict=True) if own])
-        plans = [  # None: the root alone this step
-            self._plan(step, batch_size) if own else None
-            for step, own in zip(steps, speculating, strict=True)
+        chains = [  # None: no context chain this step
+            step.state.context.propose() if step.state.context is not None else None
+            for step in steps
+        ]
+        plans = [  # None: the heads do not draft this step
+            self._plan(step, batch_size, chain) if own else None
+            for step, own, chain in zip(steps, speculating, chains, strict=True)
         ]
         requests = [
             DraftRequest(step.state.draft_state, step.state.root_token, plan, step.state.generator)
@@ -503,11 +508,14 @@ class SpeculativeGenerator:
             drafting = (time.perf_counter() - started) / len(requests)
         drafted_trees = iter(trees)
         out = []
-        for step, plan in zip(steps, plans, strict=True):
-            if plan is None:
-                tree = _root_only(step.state.root_token, self.target.device)
-            else:
+        for step, plan, chain in zip(steps, plans, chains, strict=True):
+            if plan is not None:
                 tree = next(drafted_trees)
+            elif chain is not None:  # the heads rest, the context chain is still offered
+                own_plan = self._plan(replace(step, joint=False), batch_size, chain)
+                tree = context_tree(step.state.root_token, own_plan, self.target.device)
+            else:
+                tree = _root_only(step.state.root_token, self.target.device)
             with record_function("selfspec.tree_buffers"):
                 buffers = tree_buffers(tree, step.state.committed_len, self.target.dtype)
             out.append(
@@ -517,14 +525,14 @@ class SpeculativeGenerator:
                     drafted=plan is not None,
                     sizer=plan.sizer if plan is not None and plan.defer_keep else None,
                     drafting_seconds=0.0 if plan is None else drafting,
-                    context=None if plan is None else plan.context,
+                    context=chain,
                 )
             )
         return out
 
-    def _plan(self, step: StepToDraft, batch_size: int) -> DraftPlan:
-        """How ``step`` drafts; with ``joint`` and an adaptive tree, ``defer_keep``: the caller
-        sizes the tree."""
+    def _plan(self, step: StepToDraft, batch_size: int, context: ContextChain | None) -> DraftPlan:
+        """How ``step`` drafts, ``context`` grafted in; with ``joint`` and an adaptive tree,
+        ``defer_keep``: the caller sizes the tree."""
         state, config = step.state, step.config
         sizer = (
             TreeSizer(
@@ -544,7 +552,7 @@ class SpeculativeGenerator:
             params=config.sampling,
             sizer=sizer,
             defer_keep=step.joint and sizer is not None and getattr(spec, "adaptive", False),
-            context=None if state.context is None else state.context.propose(),
+            context=context,
         )
 
     def resize(self, state: RequestState, drafted: DraftedStep, count: int) -> DraftedStep:

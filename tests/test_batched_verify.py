@@ -9,6 +9,7 @@ gaps are well above float noise.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,9 +128,10 @@ def test_an_unconcluded_step_is_refused() -> None:
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_steps_without_drafts_leave_greedy_output_unchanged(kind: str) -> None:
     """The server's speculation gate skips drafting in some rounds: a speculating request's
-    step then verifies its root alone, and the draft state still follows the output."""
+    step then verifies its root alone (without context drafts), and the draft state still
+    follows the output."""
     generator = _generator("llama", kind)
-    config = _configs()[0]
+    config = replace(_configs()[0], context_drafts=None)
     alone = generator.generate(PROMPTS[0], config).token_ids
     stream = generator.stream(PROMPTS[0], config)
     assert stream.trees_may_vary
@@ -148,6 +150,30 @@ def test_steps_without_drafts_leave_greedy_output_unchanged(kind: str) -> None:
     assert not generator.stream(PROMPTS[0], seeded).trees_may_vary
 
 
+def test_steps_without_heads_drafts_still_offer_the_context_chain() -> None:
+    """Where the heads rest, the step verifies the root and the context chain (a tree of its own,
+    no heads call); the draft state is left to catch up, and the output is unchanged."""
+    generator = _generator("llama", "eagle")
+    config = _configs()[0]
+    stream = generator.stream(PROMPTS[0], config)
+    stream.start()
+    chained = 0
+    while not stream.done:
+        drafted = stream.draft(speculate=False)
+        assert not drafted.drafted
+        if drafted.tree.size > 1:
+            chained += 1
+            tree = drafted.tree
+            assert tree.parents.tolist() == list(range(-1, tree.size - 1))  # one chain
+            assert tree.size - 1 <= min(config.tree.depth, len(drafted.context.tokens))
+        with torch.inference_mode():
+            features = verify_features(stream.owner.target, [(stream.state, drafted)])
+        stream.conclude(drafted, features[0])
+    assert chained
+    assert stream.state.draft_state is None  # the heads never started
+    assert stream.result.token_ids == generator.generate(PROMPTS[0], config).token_ids
+
+
 def _draft_length(state: object) -> int:
     """Committed entries the draft state holds: EAGLE's cache length; Medusa keeps one feature."""
     cache = getattr(state, "cache", None)
@@ -159,7 +185,7 @@ def test_steps_without_drafts_defer_the_draft_advance() -> None:
     catches up over every skipped step in one advance, to the state that advancing each step
     would have reached."""
     generator = _generator("llama", "eagle")
-    config = _configs()[0]
+    config = replace(_configs()[0], context_drafts=None)
     every, skipping = generator.stream(PROMPTS[0], config), generator.stream(PROMPTS[0], config)
     every.start(), skipping.start()
     for step in range(6):

@@ -9,8 +9,10 @@ import pytest
 import torch
 from tiny_models import make_lively_model
 
+from selfspec.cost_curve import CostCurve
 from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
-from selfspec.drafting.grow import DraftPlan, GrowingTree, graft_context, grow_tree
+from selfspec.drafting.grow import DraftPlan, GrowingTree, context_tree, graft_context, grow_tree
+from selfspec.drafting.sizing import TreeSizer
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.sampling import SamplingParams
@@ -160,3 +162,18 @@ def test_context_drafts_keep_seeded_sampling_repeatable() -> None:
     )
     first = generator.generate([1, 23, 5, 61, 8, 30], config).token_ids
     assert generator.generate([1, 23, 5, 61, 8, 30], config).token_ids == first
+
+
+@pytest.mark.parametrize(("seconds", "kept"), [((1.0, 1.0), 3), ((1.0, 1000.0), 0)])
+def test_a_context_tree_keeps_what_pays_for_its_verification(seconds, kept) -> None:
+    """A step whose heads rest verifies the root and the chain; an adaptive plan's sizer keeps
+    all of it where verification is flat and none where a second token costs 1000x."""
+    chain = ContextChain(tokens=(7, 8, 9, 10), scores=(-0.5, -0.8, -1.1, -1.4))
+    sizer = TreeSizer(CostCurve(sizes=(1, 2), seconds=seconds))
+    adaptive = DraftPlan(tree=DynamicTree(2, 3, 8, adaptive=True), sizer=sizer, context=chain)
+    tree = context_tree(5, adaptive, torch.device("cpu"))
+    assert tree.tokens.tolist() == [5, 7, 8, 9][: kept + 1]
+    fixed = context_tree(
+        5, DraftPlan(tree=DynamicTree(2, 3, 8), context=chain), torch.device("cpu")
+    )
+    assert fixed.tokens.tolist() == [5, 7, 8, 9] and fixed.sampling is DraftSampling.TOP_K

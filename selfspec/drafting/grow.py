@@ -242,6 +242,18 @@ def _grow_static(
     return _finish(tree, list(range(tree.size)), plan, projection, pruned=grafted)
 
 
+def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree:
+    """The root and ``plan``'s context chain alone, for a step whose heads do not draft (the
+    speculation gate's call): up to the tree's depth, and with an adaptive plan's sizer as many
+    of its tokens as pay for their verification (a chain costs no drafting time)."""
+    tree = GrowingTree(tokens=[root_token])
+    graft_context(tree, plan.context, plan.tree.depth)
+    size = tree.size - 1
+    if plan.sizer is not None and getattr(plan.tree, "adaptive", False):
+        size = plan.sizer.keep(tree.scores[1:], 0.0)  # a chain's scores fall along it
+    return _finish(tree, list(range(size + 1)), plan, None, pruned=True, device=device)
+
+
 def graft_context(tree: GrowingTree, chain: ContextChain | None, depth: int) -> bool:
     """Add ``chain``'s first ``depth`` tokens (the tree's depth bound) below the root, following
     nodes the heads drafted with the same tokens and appending the rest after their siblings;
@@ -276,6 +288,7 @@ def _finish(
     plan: DraftPlan,
     projection: DraftProjection | None,
     pruned: bool = False,
+    device: torch.device | None = None,
 ) -> Tree:
     """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents.
 
@@ -285,7 +298,8 @@ def _finish(
     target's randomness.
     """
     new_index = {old: new for new, old in enumerate(keep)}
-    device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")
+    if device is None:
+        device = tree.prob_rows[0].device if tree.prob_rows else torch.device("cpu")
     vocab = (
         projection.vocab_size
         if projection is not None
