@@ -39,7 +39,7 @@ from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.modes import split_mode
-from selfspec.shipped import resolve_heads_dir
+from selfspec.shipped import resolve_corpus, resolve_heads_dir
 from selfspec.target import (
     LoadedTarget,
     TargetSpec,
@@ -202,6 +202,7 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
             generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
             if not args.speculation_gate:
                 generator.gate = None  # adaptive trees draft at every step: the sizer alone
+            generator.corpus = resolve_corpus(args.draft_corpus, True, target.model)
             deepest = heads.config.num_heads if heads.config.kind.value == "medusa" else None
             for tree_name, tree in trees.items():
                 if deepest is not None and tree is not None and tree.depth > deepest:
@@ -273,6 +274,11 @@ def main() -> int:
         default="both",
         help="speculative rows with the heads' drafts alone (off), with chains copied from the "
         "request's context too (on: the CLI's default), or both",
+    )
+    parser.add_argument(
+        "--draft-corpus",
+        default="auto",
+        help="context drafts also retrieve from this corpus: auto (the shipped one) | none | FILE",
     )
     parser.add_argument(
         "--no-speculation-gate",

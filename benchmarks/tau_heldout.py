@@ -53,11 +53,12 @@ from torch import nn
 from selfspec.atomic import write_file_atomic, write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.drafting.context import ContextDrafts
+from selfspec.drafting.corpus import DraftCorpus
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
 from selfspec.kernels.ops import kernel_isa
 from selfspec.sampling import SamplingParams
-from selfspec.shipped import shipped_heads_dir
+from selfspec.shipped import resolve_corpus, shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 from selfspec.train.tau import decode_steps, pooled_tau
 from selfspec.tree import DraftSampling, DynamicTree
@@ -378,13 +379,16 @@ def measure(
     seed: int = 0,
     draft_sampling: DraftSampling = DraftSampling.TOP_K,
     stop_token_ids: tuple[int, ...] | None = None,
+    corpus: DraftCorpus | None = None,
 ) -> list[dict[str, Any]]:
     """One row (``measure_run``'s result) per heads set x temperature, heads-major.
 
-    ``stop_token_ids=()`` decodes every prompt to ``max_new_tokens`` (None: stop at EOS)."""
+    ``stop_token_ids=()`` decodes every prompt to ``max_new_tokens`` (None: stop at EOS).
+    ``corpus``: where context drafts also retrieve chains from (runs with context drafts)."""
     rows = []
     for run in runs:
         generator = SpeculativeGenerator(model, run.heads, tokenizer)  # no cost curve: fixed tree
+        generator.corpus = corpus
         for temperature in temperatures:
             rows.append(
                 measure_run(
@@ -620,6 +624,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="heads alone (off), with chains copied from the request's context (on), or both",
     )
     parser.add_argument(
+        "--draft-corpus",
+        default="auto",
+        help="context drafts also retrieve from this corpus: auto (the shipped one) | none | FILE",
+    )
+    parser.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy"
     )
     parser.add_argument("--seed", type=int, default=0, help="base of the per-prompt seeds")
@@ -711,6 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tree": vars(tree),
         "max_new_tokens": args.max_new_tokens,
         "context_drafts": args.context_drafts,
+        "draft_corpus": args.draft_corpus,
         "temperatures": args.temperatures,
         "seed": args.seed,
         "draft_sampling": args.draft_sampling,
@@ -741,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seed,
         DraftSampling(args.draft_sampling),
         () if args.ignore_eos else None,
+        resolve_corpus(args.draft_corpus, True, target.model),
     )
     report = {
         "date": time.strftime("%Y-%m-%d"),

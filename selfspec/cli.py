@@ -25,6 +25,12 @@ COMMANDS: dict[str, tuple[str, str, str | None, str]] = {
         "data engine: prompts written by the target, deduplicated, answered, in shards",
     ),
     "train": ("selfspec.train.cli", "train_main", "train", "train draft heads with Lightning"),
+    "corpus": (
+        "selfspec.train.cli",
+        "corpus_main",
+        "train",
+        "a draft corpus from the target's own responses, for context drafts' retrieval",
+    ),
     "recalibrate": (
         "selfspec.train.cli",
         "recalibrate_main",

@@ -60,6 +60,14 @@ class GenerateArgs(TargetOptions):
             "tree (lossless); --no-context-drafts: the heads' drafts alone"
         },
     )
+    draft_corpus: str = field(
+        default="auto",
+        metadata={
+            "help": "context drafts also retrieve chains from this corpus of the target's own "
+            "responses (`selfspec corpus`): auto (the shipped one for the default model) | "
+            "none | FILE"
+        },
+    )
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
     json: bool = field(
         default=False, metadata={"help": "print text, token ids and stats as one JSON object"}
@@ -108,6 +116,7 @@ def main(argv: Sequence[str]) -> int:
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
     from selfspec.drafting.context import ContextDrafts
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
+    from selfspec.shipped import resolve_corpus
     from selfspec.target import apply_chat_template, load_target
 
     try:
@@ -154,6 +163,10 @@ def main(argv: Sequence[str]) -> int:
             else None
         )
         generator = SpeculativeGenerator(target.model, heads, tokenizer, curve)
+        if heads is not None and args.context_drafts:
+            generator.corpus = resolve_corpus(
+                args.draft_corpus, args.is_default_target, target.model
+            )
         if not args.speculation_gate:
             generator.gate = None
         stream = generator.stream(prompt_ids, config, scope)

@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 from selfspec.cost_curve import CostCurve, elapsed_seconds
 from selfspec.drafting import AdvanceRequest, Drafter, DraftPlan, DraftRequest, make_drafter
 from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
+from selfspec.drafting.corpus import DraftCorpus
 from selfspec.drafting.grow import context_tree
 from selfspec.drafting.head_kernels import heads_on_kernels
 from selfspec.drafting.sizing import TreeSizer
@@ -216,8 +217,8 @@ class DraftedStep:
     request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
     drafting_seconds: float = 0.0
     """What drafting this tree took (joint sizing counts it in the round's time)."""
-    context: ContextChain | None = None
-    """The context chain offered to this tree (kept in it or not), observed at ``conclude``."""
+    context: tuple[ContextChain, ...] = ()
+    """The context chains offered to this tree (kept in it or not), observed at ``conclude``."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,9 @@ class SpeculativeGenerator:
         cost of drafting (heads calls, tree bookkeeping) can exceed what a small tree saves,
         which the tree sizer, pricing nodes after drafting, cannot see. A server gates its
         rounds itself (``selfspec.serve.engine``)."""
+        self.corpus: DraftCorpus | None = None
+        """Set by a caller: the target's past responses, which context drafts also retrieve
+        chains from (``selfspec.drafting.corpus``, ``ContextDrafts.corpus``)."""
         self.prefix_cache: PrefixCache | None = None
         """Set by a server: prompt prefixes reused across requests (``GenerationConfig.
         prefix_namespace``); only exact where the target's rows are computed row-invariantly
@@ -421,7 +425,9 @@ class SpeculativeGenerator:
             taps=progress.taps,
         )
         if config.speculate and config.context_drafts is not None:
-            state.context = ContextIndex(config.context_drafts, [*prompt.tolist(), first])
+            state.context = ContextIndex(
+                config.context_drafts, [*prompt.tolist(), first], self.corpus
+            )
         if config.logprobs is not None:
             state.logprobs = []
             chosen = torch.tensor([first], device=logits.device)
@@ -486,9 +492,8 @@ class SpeculativeGenerator:
         the drafting time. The caller runs them under one scope (the same adapter)."""
         speculating = [step.config.speculate and step.speculate for step in steps]
         self._catch_up([step.state for step, own in zip(steps, speculating, strict=True) if own])
-        chains = [  # None: no context chain this step
-            step.state.context.propose() if step.state.context is not None else None
-            for step in steps
+        chains = [  # each step's context chains, () for none
+            step.state.context.propose() if step.state.context is not None else () for step in steps
         ]
         plans = [  # None: the heads do not draft this step
             self._plan(step, batch_size, chain) if own else None
@@ -511,7 +516,7 @@ class SpeculativeGenerator:
         for step, plan, chain in zip(steps, plans, chains, strict=True):
             if plan is not None:
                 tree = next(drafted_trees)
-            elif chain is not None:  # the heads rest, the context chain is still offered
+            elif chain:  # the heads rest, the context chains are still offered
                 own_plan = self._plan(replace(step, joint=False), batch_size, chain)
                 tree = context_tree(step.state.root_token, own_plan, self.target.device)
             else:
@@ -530,7 +535,9 @@ class SpeculativeGenerator:
             )
         return out
 
-    def _plan(self, step: StepToDraft, batch_size: int, context: ContextChain | None) -> DraftPlan:
+    def _plan(
+        self, step: StepToDraft, batch_size: int, context: tuple[ContextChain, ...]
+    ) -> DraftPlan:
         """How ``step`` drafts, ``context`` grafted in; with ``joint`` and an adaptive tree,
         ``defer_keep``: the caller sizes the tree."""
         state, config = step.state, step.config
@@ -669,8 +676,7 @@ class SpeculativeGenerator:
         state.root_token = verdict.bonus
         if state.context is not None:
             committed = [*accepted_tokens[1:].tolist(), verdict.bonus]
-            if drafted.context is not None:
-                state.context.observe(drafted.context, committed)
+            state.context.observe(drafted.context, committed)
             state.context.extend(committed)
         if sum(len(tokens) for _, tokens in state.deferred_advance) >= MAX_DEFERRED_TOKENS:
             self._catch_up([state])  # bounded memory however long drafting stays off

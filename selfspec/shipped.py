@@ -1,10 +1,14 @@
-"""Heads that ship with the package, trained for the embedded default target."""
+"""Heads and a draft corpus that ship with the package, made for the embedded default target."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfspec.heads.config import HeadKind
+
+if TYPE_CHECKING:
+    from selfspec.drafting.corpus import DraftCorpus
 
 ASSETS = Path(__file__).parent / "assets" / "heads"
 SHIPPED_HEADS = {
@@ -35,3 +39,25 @@ def resolve_heads_dir(spec: str, is_default_target: bool) -> Path:
             )
         return shipped_heads_dir(spec)
     return Path(spec).expanduser()
+
+
+CORPUS = Path(__file__).parent / "assets" / "corpus" / "smollm2-135m-instruct.safetensors"
+"""The default target's draft corpus: the data engine's 2.9 M response tokens
+(`selfspec corpus`, from data/engine/smollm2-v1)."""
+
+
+def resolve_corpus(spec: str, is_default_target: bool, model: object) -> DraftCorpus | None:
+    """The draft corpus a ``--draft-corpus`` value names: 'auto' (the shipped corpus for the
+    embedded default target, none for another), 'none', or a corpus file made for ``model``."""
+    from selfspec.drafting.corpus import load_corpus
+    from selfspec.fingerprint import fingerprint_of
+
+    if spec == "none" or (spec == "auto" and not is_default_target):
+        return None
+    path = CORPUS if spec == "auto" else Path(spec).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no draft corpus at {path}; build one with `selfspec corpus` or pass "
+            "--draft-corpus none"
+        )
+    return load_corpus(path, fingerprint_of(model))

@@ -245,6 +245,7 @@ class ServerState:
                     self.store.base_model, heads, self.tokenizer, self.generator.cost_curve
                 )
                 own.prefix_cache = self.prefix_cache
+                own.corpus = self.generator.corpus
                 self._generators[adapter] = own
             return own
 

@@ -77,6 +77,14 @@ class ServeArgs(TargetOptions):
             "so far (lossless); --no-context-drafts: the heads' drafts alone"
         },
     )
+    draft_corpus: str = field(
+        default="auto",
+        metadata={
+            "help": "context drafts also retrieve chains from this corpus of the target's own "
+            "responses (`selfspec corpus`): auto (the shipped one for the default model) | "
+            "none | FILE"
+        },
+    )
     speculation_gate: bool = field(
         default=True,
         metadata={
@@ -266,7 +274,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.serve.app import ServerState
     from selfspec.serve.drift import DriftConfig
     from selfspec.serve.recalibration import RecalibrationPolicy
-    from selfspec.shipped import resolve_heads_dir
+    from selfspec.shipped import resolve_corpus, resolve_heads_dir
     from selfspec.target import load_target
 
     target = load_target(args.target_spec())
@@ -294,6 +302,8 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         else None
     )
     generator = SpeculativeGenerator(store.base_model, heads, target.tokenizer, curve)
+    if heads is not None and args.context_drafts:
+        generator.corpus = resolve_corpus(args.draft_corpus, is_default, target.model)
     return ServerState(
         generator=generator,
         tokenizer=target.tokenizer,

@@ -165,7 +165,7 @@ def test_steps_without_heads_drafts_still_offer_the_context_chain() -> None:
             chained += 1
             tree = drafted.tree
             assert tree.parents.tolist() == list(range(-1, tree.size - 1))  # one chain
-            assert tree.size - 1 <= min(config.tree.depth, len(drafted.context.tokens))
+            assert tree.size - 1 <= min(config.tree.depth, len(drafted.context[0].tokens))
         with torch.inference_mode():
             features = verify_features(stream.owner.target, [(stream.state, drafted)])
         stream.conclude(drafted, features[0])

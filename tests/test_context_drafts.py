@@ -10,7 +10,7 @@ import torch
 from tiny_models import make_lively_model
 
 from selfspec.cost_curve import CostCurve
-from selfspec.drafting.context import ContextChain, ContextDrafts, ContextIndex
+from selfspec.drafting.context import ChainSource, ContextChain, ContextDrafts, ContextIndex
 from selfspec.drafting.grow import DraftPlan, GrowingTree, context_tree, graft_context, grow_tree
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
@@ -19,53 +19,69 @@ from selfspec.sampling import SamplingParams
 from selfspec.tree import DraftSampling, DynamicTree, StaticTree
 
 
+def _chain(index: ContextIndex) -> ContextChain | None:
+    """The context's chain of this step (no corpus here), None when there is none."""
+    chains = index.propose()
+    assert len(chains) <= 1 and all(c.source is ChainSource.CONTEXT for c in chains)
+    return chains[0] if chains else None
+
+
 def test_longest_ngram_wins_and_its_latest_occurrence_proposes() -> None:
     #        0  1  2  3  4  5  6  7  8  9 10 11
     tokens = [5, 6, 7, 1, 9, 6, 7, 2, 3, 5, 6, 7]
-    index = ContextIndex(ContextDrafts(max_tokens=3, max_ngram=3), tokens)
-    chain = index.propose()
+    chain = _chain(ContextIndex(ContextDrafts(max_tokens=3, max_ngram=3), tokens))
     # "5 6 7" ends at 2 only; "6 7" would have picked the later 6 7 at 6 (followed by 2 3 5).
-    assert chain is not None and chain.tokens == (1, 9, 6)
-    index = ContextIndex(ContextDrafts(max_tokens=3, max_ngram=2), tokens)
-    assert index.propose().tokens == (2, 3, 5)
+    assert chain is not None and chain.tokens == (1, 9, 6) and chain.ngram == 3
+    assert _chain(ContextIndex(ContextDrafts(max_tokens=3, max_ngram=2), tokens)).tokens == (
+        2,
+        3,
+        5,
+    )
 
 
 def test_no_earlier_occurrence_proposes_nothing_and_the_suffix_itself_never_matches() -> None:
     index = ContextIndex(ContextDrafts(), [1, 2, 3, 4])
-    assert index.propose() is None
+    assert _chain(index) is None
     index.extend([2])  # "2" occurred before, followed by 3
-    assert index.propose().tokens == (3, 4, 2)
-    assert ContextIndex(ContextDrafts(), [7]).propose() is None
+    assert _chain(index).tokens == (3, 4, 2)
+    assert _chain(ContextIndex(ContextDrafts(), [7])) is None
 
 
 def test_min_ngram_excludes_short_matches() -> None:
     tokens = [1, 2, 3, 9, 3]
-    assert ContextIndex(ContextDrafts(min_ngram=1), tokens).propose().tokens == (9, 3)
-    assert ContextIndex(ContextDrafts(min_ngram=2), tokens).propose() is None
+    assert _chain(ContextIndex(ContextDrafts(min_ngram=1), tokens)).tokens == (9, 3)
+    assert _chain(ContextIndex(ContextDrafts(min_ngram=2), tokens)) is None
 
 
 def test_scores_follow_the_observed_match_rates() -> None:
     index = ContextIndex(ContextDrafts(max_tokens=4), [4, 5, 6, 7, 4])
-    chain = index.propose()
+    rates = index.rates[ChainSource.CONTEXT]
+    chain = _chain(index)
     assert chain.tokens == (5, 6, 7, 4) and chain.ngram == 1  # "4" alone occurred before
     assert chain.scores == pytest.approx([math.log(0.5) * i for i in (1, 2, 3, 4)])
-    index.observe(chain, [5, 6, 7, 4, 5])  # all four matched
-    assert index.first_rates[1].value == pytest.approx(2 / 3)
-    assert index.next_rate.value == pytest.approx((1 + 3) / (2 + 3))
-    index.observe(chain, [8])  # the first missed: nothing said about the others
-    assert index.first_rates[1].value == pytest.approx(2 / 4)
-    assert index.next_rate.value == pytest.approx(4 / 5)
-    index.observe(chain, [5, 6])  # two matched; nothing committed beyond them to test
-    assert index.first_rates[1].value == pytest.approx(3 / 5)
-    assert index.next_rate.value == pytest.approx(5 / 6)
-    assert index.first_rates[2].value == pytest.approx(0.5)  # other n-gram lengths: the prior
-    later = index.propose()
+    index.observe([chain], [5, 6, 7, 4, 5])  # all four matched
+    assert rates.first[1].value == pytest.approx(2 / 3)
+    assert rates.next.value == pytest.approx((1 + 3) / (2 + 3))
+    index.observe([chain], [8])  # the first missed: nothing said about the others
+    assert rates.first[1].value == pytest.approx(2 / 4)
+    assert rates.next.value == pytest.approx(4 / 5)
+    index.observe([chain], [5, 6])  # two matched; nothing committed beyond them to test
+    assert rates.first[1].value == pytest.approx(3 / 5)
+    assert rates.next.value == pytest.approx(5 / 6)
+    assert rates.first[2].value == pytest.approx(0.5)  # other n-gram lengths: the prior
+    assert index.rates[ChainSource.CORPUS].next.value == pytest.approx(0.5)  # other sources too
     expected = [math.log(3 / 5) + math.log(5 / 6) * i for i in range(4)]
-    assert later.scores == pytest.approx(expected)
+    assert _chain(index).scores == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
-    "options", [dict(max_tokens=0), dict(min_ngram=0), dict(min_ngram=3, max_ngram=2)]
+    "options",
+    [
+        dict(max_tokens=0),
+        dict(min_ngram=0),
+        dict(min_ngram=3, max_ngram=2),
+        dict(corpus_min_ngram=5),
+    ],
 )
 def test_invalid_options_are_refused(options: dict) -> None:
     with pytest.raises(ValueError, match="context drafts"):
@@ -89,7 +105,7 @@ def _drafted_tree() -> GrowingTree:
 def test_graft_shares_drafted_nodes_and_appends_the_rest() -> None:
     tree = _drafted_tree()
     chain = ContextChain(tokens=(10, 13, 14), scores=(-0.3, -0.6, -0.9))
-    assert graft_context(tree, chain, depth=8)
+    assert graft_context(tree, [chain], depth=8)
     assert tree.tokens == [0, 10, 11, 12, 13, 14]
     assert tree.parents == [-1, 0, 0, 1, 1, 4]
     assert tree.depths == [0, 1, 1, 2, 2, 3]
@@ -102,11 +118,11 @@ def test_graft_shares_drafted_nodes_and_appends_the_rest() -> None:
 def test_graft_raises_the_score_of_shared_nodes_and_respects_the_depth_bound() -> None:
     tree = _drafted_tree()
     chain = ContextChain(tokens=(11, 15, 16), scores=(-0.2, -0.4, -0.6))
-    assert graft_context(tree, chain, depth=2)
+    assert graft_context(tree, [chain], depth=2)
     assert tree.tokens == [0, 10, 11, 12, 15]  # 16 would be at depth 3
     assert tree.scores[2] == pytest.approx(-0.2)  # was -2.0 as the heads' draw
-    assert not graft_context(_drafted_tree(), ContextChain((10, 12), (-1.0, -2.0)), depth=4)
-    assert not graft_context(_drafted_tree(), None, depth=4)
+    assert not graft_context(_drafted_tree(), [ContextChain((10, 12), (-1.0, -2.0))], depth=4)
+    assert not graft_context(_drafted_tree(), [], depth=4)
 
 
 def _uniform_expand(vocab: int):
@@ -124,7 +140,7 @@ def test_a_grafted_chain_competes_for_the_budget_and_makes_point_mass_proposals(
         tree=spec,
         sampling=DraftSampling.WITHOUT_REPLACEMENT,
         params=SamplingParams(temperature=1.0),
-        context=chain,
+        context=(chain,),
     )
     tree = grow_tree(0, _uniform_expand(vocab), sampled, torch.Generator().manual_seed(0))
     assert tree.size == 1 + spec.budget
@@ -132,7 +148,7 @@ def test_a_grafted_chain_competes_for_the_budget_and_makes_point_mass_proposals(
     assert tree.tokens[1:].tolist().count(40) == 1 and {41, 42} <= set(tree.tokens.tolist())
     assert tree.sampling is DraftSampling.TOP_K and tree.draft_probs.shape[0] == 0
     plain = grow_tree(
-        0, _uniform_expand(vocab), DraftPlan(tree=StaticTree.chain(2), context=chain), None
+        0, _uniform_expand(vocab), DraftPlan(tree=StaticTree.chain(2), context=(chain,)), None
     )
     assert plain.tokens.tolist()[-2:] == [40, 41]  # static trees: the chain, to their depth
 
@@ -170,10 +186,10 @@ def test_a_context_tree_keeps_what_pays_for_its_verification(seconds, kept) -> N
     all of it where verification is flat and none where a second token costs 1000x."""
     chain = ContextChain(tokens=(7, 8, 9, 10), scores=(-0.5, -0.8, -1.1, -1.4))
     sizer = TreeSizer(CostCurve(sizes=(1, 2), seconds=seconds))
-    adaptive = DraftPlan(tree=DynamicTree(2, 3, 8, adaptive=True), sizer=sizer, context=chain)
+    adaptive = DraftPlan(tree=DynamicTree(2, 3, 8, adaptive=True), sizer=sizer, context=(chain,))
     tree = context_tree(5, adaptive, torch.device("cpu"))
     assert tree.tokens.tolist() == [5, 7, 8, 9][: kept + 1]
     fixed = context_tree(
-        5, DraftPlan(tree=DynamicTree(2, 3, 8), context=chain), torch.device("cpu")
+        5, DraftPlan(tree=DynamicTree(2, 3, 8), context=(chain,)), torch.device("cpu")
     )
     assert fixed.tokens.tolist() == [5, 7, 8, 9] and fixed.sampling is DraftSampling.TOP_K

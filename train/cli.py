@@ -106,3 +106,19 @@ def datagen_main(argv: list[str] | None = None) -> int:
         )
     print(f"dataset card: {config.output}/README.md")
     return 0
+
+
+def corpus_main(argv: list[str] | None = None) -> int:
+    """``selfspec corpus``: a draft corpus of responses (selfspec.train.draft_corpus)."""
+    from selfspec.target import TargetLoadError
+    from selfspec.train.draft_corpus import CorpusConfig, build_draft_corpus
+    from selfspec.train.shards import DistilledDataError
+
+    try:
+        config = _config_from_args("selfspec corpus", CorpusConfig.__doc__, CorpusConfig, argv)
+        path, corpus = build_draft_corpus(config)
+    except (TargetLoadError, DistilledDataError, ValueError) as error:
+        print(f"selfspec corpus: error: {error}", file=sys.stderr)
+        return 2
+    print(f"draft corpus: {corpus.size} response tokens -> {path}")
+    return 0

@@ -1,4 +1,5 @@
-"""Drafts copied from the request's own context: a chain grafted into the heads' tree.
+"""Drafts copied from the request's own context (and retrieved from a corpus of the target's
+own writing): chains grafted into the heads' tree.
 
 Where the text being written repeats what the request already holds (a summary or an answer
 quoting its passage, names and numbers carried into a translation, code echoed back, a small
@@ -7,7 +8,8 @@ is a cheap, often long draft that heads trained on other text cannot make (promp
 decoding). ``ContextIndex`` keeps every n-gram of the prompt and the committed tokens with its
 most recent end; each step the longest n-gram ending at the root proposes the tokens that
 followed it, a chain that ``grow.graft_context`` adds to the heads' tree (sharing nodes the heads
-drafted too), scored so that tree sizing weighs it against the heads' nodes.
+drafted too), scored so that tree sizing weighs it against the heads' nodes. With a draft corpus
+(``selfspec.drafting.corpus``) a second chain comes from there, scored by its own rates.
 
 Lossless like every draft: the target verifies the chain in the same forward, and a chain is
 chosen without the target's randomness, so the point-mass rule verifies it exactly.
@@ -24,7 +26,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
+
+from selfspec.drafting.corpus import DraftCorpus
 
 PRIOR_MATCHED = 1.0
 PRIOR_TRIED = 2.0
@@ -57,6 +62,10 @@ class ContextDrafts:
     """Longest suffix looked up; a longer match is tried first and wins."""
     min_ngram: int = 1
     """Shortest suffix looked up (1: the root token alone can propose a chain)."""
+    corpus: bool = True
+    """Also retrieve a chain from the generator's draft corpus, where it has one."""
+    corpus_min_ngram: int = 2
+    """Shortest suffix looked up in the corpus (a single token matches too much there)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +75,20 @@ class ContextDrafts:
                 "context drafts need 1 <= min_ngram <= max_ngram, got "
                 f"min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
             )
+        if not 1 <= self.corpus_min_ngram <= self.max_ngram:
+            raise ValueError(
+                "context drafts need 1 <= corpus_min_ngram <= max_ngram, got "
+                f"corpus_min_ngram={self.corpus_min_ngram}, max_ngram={self.max_ngram}"
+            )
+
+
+class ChainSource(str, Enum):
+    """Where a chain was found."""
+
+    CONTEXT = "context"
+    """The request's own prompt and output so far."""
+    CORPUS = "corpus"
+    """The generator's draft corpus: the target's past responses."""
 
 
 @dataclass(frozen=True)
@@ -78,20 +101,40 @@ class ContextChain:
     non-increasing, as the scores of a drafted path are."""
     ngram: int = 1
     """The length of the suffix whose earlier occurrence proposed the chain."""
+    source: ChainSource = ChainSource.CONTEXT
+
+
+@dataclass
+class SourceRates:
+    """One source's observed match rates (see the module docstring)."""
+
+    max_ngram: int
+    first: list[MatchRate] = field(default_factory=list)
+    """Index n: P(a chain found by an n-gram match starts right)."""
+    next: MatchRate = field(default_factory=MatchRate)
+    """P(a chain token matches | the one before it did)."""
+
+    def __post_init__(self) -> None:
+        self.first = [MatchRate() for _ in range(self.max_ngram + 1)]
+
+    def scores(self, ngram: int, length: int) -> tuple[float, ...]:
+        first, step = math.log(self.first[ngram].value), math.log(self.next.value)
+        return tuple(first + step * i for i in range(length))
 
 
 class ContextIndex:
     """One request's tokens (prompt, then everything committed; the last is the step's root)
-    with the latest end of every n-gram that has a following token, and its match rates."""
+    with the latest end of every n-gram that has a following token, the draft corpus it also
+    reads (if any), and each source's match rates."""
 
-    def __init__(self, options: ContextDrafts, tokens: Sequence[int]) -> None:
+    def __init__(
+        self, options: ContextDrafts, tokens: Sequence[int], corpus: DraftCorpus | None = None
+    ) -> None:
         self.options = options
+        self.corpus = corpus if options.corpus else None
         self._tokens: list[int] = []
         self._latest_end: dict[tuple[int, ...], int] = {}
-        self.first_rates = [MatchRate() for _ in range(options.max_ngram + 1)]
-        """Index n: P(a chain found by an n-gram match starts right), as observed so far."""
-        self.next_rate = MatchRate()
-        """P(a chain token matches | the one before it did), as observed so far."""
+        self.rates = {source: SourceRates(options.max_ngram) for source in ChainSource}
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -103,22 +146,39 @@ class ContextIndex:
             for n in range(low, min(high, end + 1) + 1):
                 self._latest_end[tuple(self._tokens[end - n + 1 : end + 1])] = end
 
-    def propose(self) -> ContextChain | None:
-        """The continuation of the longest n-gram ending at the last token that occurred
-        before, from its latest occurrence; None when there is none."""
+    def propose(self) -> tuple[ContextChain, ...]:
+        """This step's chains: the context's (the continuation of the longest n-gram ending at
+        the last token that occurred before, from its latest occurrence), then the corpus's;
+        each where there is one."""
+        chains = []
+        context = self._from_context()
+        if context is not None:
+            chains.append(context)
+        if self.corpus is not None:
+            options = self.options
+            tokens, n = self.corpus.continuation(
+                self._tokens[-options.max_ngram :], options.max_tokens, options.corpus_min_ngram
+            )
+            if tokens:
+                scores = self.rates[ChainSource.CORPUS].scores(n, len(tokens))
+                chains.append(ContextChain(tuple(tokens), scores, n, ChainSource.CORPUS))
+        return tuple(chains)
+
+    def _from_context(self) -> ContextChain | None:
         tokens, options = self._tokens, self.options
         for n in range(min(options.max_ngram, len(tokens)), options.min_ngram - 1, -1):
             end = self._latest_end.get(tuple(tokens[-n:]))
             if end is not None:
                 chain = tuple(tokens[end + 1 : end + 1 + options.max_tokens])
-                first = math.log(self.first_rates[n].value)
-                step = math.log(self.next_rate.value)
-                scores = tuple(first + step * i for i in range(len(chain)))
-                return ContextChain(chain, scores, n)
+                return ContextChain(chain, self.rates[ChainSource.CONTEXT].scores(n, len(chain)), n)
         return None
 
-    def observe(self, chain: ContextChain, committed: Sequence[int]) -> None:
-        """Fold in how far ``chain`` agreed with the tokens the step then committed."""
+    def observe(self, chains: Sequence[ContextChain], committed: Sequence[int]) -> None:
+        """Fold in how far each of ``chains`` agreed with the tokens the step then committed."""
+        for chain in chains:
+            self._observe(chain, committed)
+
+    def _observe(self, chain: ContextChain, committed: Sequence[int]) -> None:
         matched = 0
         for proposed, actual in zip(chain.tokens, committed, strict=False):
             if proposed != actual:
@@ -126,6 +186,7 @@ class ContextIndex:
             matched += 1
         testable = min(len(chain.tokens), len(committed))
         missed = 1 if matched < testable else 0
-        self.first_rates[chain.ngram].add(min(matched, 1), 1 if testable else 0)
+        rates = self.rates[chain.source]
+        rates.first[chain.ngram].add(min(matched, 1), 1 if testable else 0)
         if matched:  # tokens 2.. were tried only where token 1 matched
-            self.next_rate.add(matched - 1, matched - 1 + missed)
+            rates.next.add(matched - 1, matched - 1 + missed)

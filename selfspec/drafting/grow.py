@@ -14,7 +14,7 @@ from the measured cost of verification (see ``sizing.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +39,10 @@ class DraftPlan:
     """With a sizer: it chooses the depth, but the tree keeps its best ``tree.budget`` nodes and
     the caller chooses how many to verify (``sizing.joint_keep`` for a batch, then
     ``tree.prune``)."""
-    context: ContextChain | None = None
-    """A chain copied from the request's context (``selfspec.drafting.context``), grafted into
-    the grown tree before its nodes are chosen, so it competes with the heads' nodes by score."""
+    context: tuple[ContextChain, ...] = ()
+    """Chains from the request's context and the draft corpus (``selfspec.drafting.context``),
+    grafted into the grown tree before its nodes are chosen, so they compete with the heads'
+    nodes by score."""
 
 
 @dataclass
@@ -248,20 +249,27 @@ def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree
     of its tokens as pay for their verification (a chain costs no drafting time)."""
     tree = GrowingTree(tokens=[root_token])
     graft_context(tree, plan.context, plan.tree.depth)
-    size = tree.size - 1
+    ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])  # parents first
+    size = len(ranked)
     if plan.sizer is not None and getattr(plan.tree, "adaptive", False):
-        size = plan.sizer.keep(tree.scores[1:], 0.0)  # a chain's scores fall along it
-    return _finish(tree, list(range(size + 1)), plan, None, pruned=True, device=device)
+        size = plan.sizer.keep([tree.scores[n] for n in ranked], 0.0)
+    keep = [0, *sorted(ranked[:size])]
+    return _finish(tree, keep, plan, None, pruned=True, device=device)
 
 
-def graft_context(tree: GrowingTree, chain: ContextChain | None, depth: int) -> bool:
-    """Add ``chain``'s first ``depth`` tokens (the tree's depth bound) below the root, following
-    nodes the heads drafted with the same tokens and appending the rest after their siblings;
-    each node on it scores the better of its two estimates. Both kinds of score fall along a
-    path, so a child still never outscores its parent. Returns whether nodes were added (they
-    are point-mass proposals, outside any draw)."""
-    if chain is None or not chain.tokens:
-        return False
+def graft_context(tree: GrowingTree, chains: Sequence[ContextChain], depth: int) -> bool:
+    """Add each chain's first ``depth`` tokens (the tree's depth bound) below the root,
+    following nodes already there with the same tokens and appending the rest after their
+    siblings; a node on a chain scores the best of its estimates. Every kind of score falls
+    along a path, so a child still never outscores its parent. Returns whether nodes were added
+    (they are point-mass proposals, outside any draw)."""
+    added = False
+    for chain in chains:
+        added = _graft_chain(tree, chain, depth) or added
+    return added
+
+
+def _graft_chain(tree: GrowingTree, chain: ContextChain, depth: int) -> bool:
     child_of: dict[tuple[int, int], int] = {}
     children = [0] * tree.size
     for node in range(1, tree.size):

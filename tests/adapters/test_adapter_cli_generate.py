@@ -118,13 +118,14 @@ def test_generate_asks_the_speculation_gate_unless_told_not_to(
     capsys, target_and_heads, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An adaptive request's steps draft only when the gate says so (here: never, every step
-    plain, the output unchanged); --no-speculation-gate never asks it."""
+    plain without context drafts, the output unchanged); --no-speculation-gate never asks it."""
     from selfspec.speculation_gate import SpeculationGate
 
     target, heads = target_and_heads
     asked: list[int] = []
     monkeypatch.setattr(SpeculationGate, "choose", lambda self, batch: asked.append(batch) or False)
     common = ["--prompt", PROMPT, "--model", str(target), "--heads", str(heads)]
+    common += ["--no-context-drafts"]
     code, gated = _generate(capsys, *common)
     assert code == 0 and asked and gated["stats"]["mean_tree_size"] == 1.0
     asked.clear()
