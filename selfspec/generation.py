@@ -70,8 +70,10 @@ class GenerationConfig:
     """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
     draft_sampling: DraftSampling = DraftSampling.TOP_K
     context_drafts: ContextDrafts | None = ContextDrafts()
-    """Also draft a chain copied from the request's own context (prompt and output so far)
-    into each tree (``selfspec.drafting.context``); None: the heads' drafts alone."""
+    """Also graft chains into each tree: one copied from the request's own context (prompt and
+    output so far), one retrieved from the generator's draft corpus where it has one
+    (``selfspec.drafting.context``); offered even in steps whose heads do not draft. None: the
+    heads' drafts alone."""
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: each generated token's, with its k best alternatives
     (``selfspec.logprobs``)."""
