@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.draft_options import DraftOptions
 from selfspec.sampling import SamplingParams
 from selfspec.target_options import TargetOptions
 from selfspec.tree import DraftSampling, parse_tree_spec
@@ -16,9 +17,9 @@ PROG = "selfspec generate"
 
 
 @dataclass(frozen=True)
-class GenerateArgs(TargetOptions):
-    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), then
-    these."""
+class GenerateArgs(DraftOptions, TargetOptions):
+    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), the
+    drafting ones (`DraftOptions`: context drafts, draft corpus), then these."""
 
     prompt: str = field(metadata={"help": "the user prompt"})
     heads: str = field(
@@ -51,21 +52,6 @@ class GenerateArgs(TargetOptions):
         metadata={
             "help": "an adaptive tree's steps draft only while drafting commits more tokens per "
             "second than plain decoding; --no-speculation-gate: draft at every step"
-        },
-    )
-    context_drafts: bool = field(
-        default=True,
-        metadata={
-            "help": "also draft chains copied from the prompt and the text so far into each "
-            "tree (lossless); --no-context-drafts: the heads' drafts alone"
-        },
-    )
-    draft_corpus: str = field(
-        default="auto",
-        metadata={
-            "help": "context drafts also retrieve chains from this corpus of the target's own "
-            "responses (`selfspec corpus`): auto (the shipped one for the default model) | "
-            "none | FILE"
         },
     )
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop strings"})
@@ -114,9 +100,7 @@ def resolve_heads(
 def main(argv: Sequence[str]) -> int:
     args = parse_dataclass(GenerateArgs, argv, description=__doc__, prog=PROG)
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
-    from selfspec.drafting.context import ContextDrafts
     from selfspec.generation import GenerationConfig, SpeculativeGenerator
-    from selfspec.shipped import resolve_corpus
     from selfspec.target import apply_chat_template, load_target
 
     try:
@@ -138,7 +122,7 @@ def main(argv: Sequence[str]) -> int:
             speculate=args.speculation,
             tree=parse_tree_spec(args.tree),
             draft_sampling=args.draft_sampling,
-            context_drafts=ContextDrafts() if args.context_drafts else None,
+            context_drafts=args.context_drafts_config(),
         )
         scope = None
         if args.adapter is not None:
@@ -163,10 +147,8 @@ def main(argv: Sequence[str]) -> int:
             else None
         )
         generator = SpeculativeGenerator(target.model, heads, tokenizer, curve)
-        if heads is not None and args.context_drafts:
-            generator.corpus = resolve_corpus(
-                args.draft_corpus, args.is_default_target, target.model
-            )
+        if heads is not None:
+            generator.corpus = args.corpus_for(target.model, args.is_default_target)
         if not args.speculation_gate:
             generator.gate = None
         stream = generator.stream(prompt_ids, config, scope)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.draft_options import DraftOptions
 from selfspec.serve.guard import DEFAULT_MAX_BODY_BYTES
 from selfspec.target_options import TargetOptions
 from selfspec.tree import parse_tree_spec
@@ -22,9 +23,9 @@ API_KEY_ENV = "SELFSPEC_API_KEY"
 
 
 @dataclass(frozen=True)
-class ServeArgs(TargetOptions):
-    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), then
-    these."""
+class ServeArgs(DraftOptions, TargetOptions):
+    """The target's options (`TargetOptions`: model, dtype, kernels, device, threads), the
+    drafting ones (`DraftOptions`: context drafts, draft corpus), then these."""
 
     heads: str = field(
         default="eagle",
@@ -68,21 +69,6 @@ class ServeArgs(TargetOptions):
         metadata={
             "help": "verify the running requests' trees in one target forward; off: one forward "
             "per request, interleaved"
-        },
-    )
-    context_drafts: bool = field(
-        default=True,
-        metadata={
-            "help": "speculative requests also draft chains copied from their prompt and text "
-            "so far (lossless); --no-context-drafts: the heads' drafts alone"
-        },
-    )
-    draft_corpus: str = field(
-        default="auto",
-        metadata={
-            "help": "context drafts also retrieve chains from this corpus of the target's own "
-            "responses (`selfspec corpus`): auto (the shipped one for the default model) | "
-            "none | FILE"
         },
     )
     speculation_gate: bool = field(
@@ -267,14 +253,13 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
     from selfspec.adapters.shipped import examples_root
     from selfspec.adapters.store import AdapterStore, StoreConfig
     from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
-    from selfspec.drafting.context import ContextDrafts
     from selfspec.generation import SpeculativeGenerator
     from selfspec.heads import load_heads
     from selfspec.prefix_cache import PrefixCache, PrefixCacheConfig
     from selfspec.serve.app import ServerState
     from selfspec.serve.drift import DriftConfig
     from selfspec.serve.recalibration import RecalibrationPolicy
-    from selfspec.shipped import resolve_corpus, resolve_heads_dir
+    from selfspec.shipped import resolve_heads_dir
     from selfspec.target import load_target
 
     target = load_target(args.target_spec())
@@ -302,8 +287,8 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         else None
     )
     generator = SpeculativeGenerator(store.base_model, heads, target.tokenizer, curve)
-    if heads is not None and args.context_drafts:
-        generator.corpus = resolve_corpus(args.draft_corpus, is_default, target.model)
+    if heads is not None:
+        generator.corpus = args.corpus_for(target.model, is_default)
     return ServerState(
         generator=generator,
         tokenizer=target.tokenizer,
@@ -314,7 +299,7 @@ def build_state(args: ServeArgs):  # -> ServerState; imports stay lazy for `self
         max_queue=args.max_queue,
         max_queue_per_adapter=args.max_queue_per_adapter,
         batch_verify=args.batch_verify,
-        context_drafts=ContextDrafts() if args.context_drafts else None,
+        context_drafts=args.context_drafts_config(),
         speculation_gate=args.speculation_gate,
         prefill_chunk=args.prefill_chunk or None,
         adapter_heads=args.adapter_heads,

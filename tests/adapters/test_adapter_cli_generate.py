@@ -143,9 +143,9 @@ def test_generate_drafts_from_context_unless_told_not_to(
     indexed: list[int] = []
 
     class CountingIndex(generation.ContextIndex):
-        def __init__(self, options, tokens) -> None:
+        def __init__(self, options, tokens, corpus=None) -> None:
             indexed.append(len(tokens))
-            super().__init__(options, tokens)
+            super().__init__(options, tokens, corpus)
 
     monkeypatch.setattr(generation, "ContextIndex", CountingIndex)
     target, heads = target_and_heads
