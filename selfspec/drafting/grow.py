@@ -244,9 +244,9 @@ def _grow_static(
 
 
 def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree:
-    """The root and ``plan``'s context chain alone, for a step whose heads do not draft (the
+    """The root and ``plan``'s context chains alone, for a step whose heads do not draft (the
     speculation gate's call): up to the tree's depth, and with an adaptive plan's sizer as many
-    of its tokens as pay for their verification (a chain costs no drafting time)."""
+    of their tokens as pay for their verification (chains cost no drafting time)."""
     tree = GrowingTree(tokens=[root_token])
     graft_context(tree, plan.context, plan.tree.depth)
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])  # parents first
