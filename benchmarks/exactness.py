@@ -4,9 +4,10 @@
         --dtypes float32 bfloat16 int8 int4 --out runs/exactness
 
 For each mode, each held-out prompt is decoded plainly and with the shipped EAGLE heads (the
-adaptive tree and a fixed dynamic tree); a row counts the prompts whose speculative tokens equal
-the vanilla tokens exactly, and where they differ, the first differing position. With the
-row-invariant kernels every mode should give all prompts equal.
+adaptive tree and a fixed dynamic tree; context drafts and the shipped draft corpus on, as
+`selfspec generate` and `serve` run by default); a row counts the prompts whose speculative
+tokens equal the vanilla tokens exactly, and where they differ, the first differing position.
+With the row-invariant kernels every mode should give all prompts equal.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.kernels.ops import kernel_isa
 from selfspec.modes import split_mode
-from selfspec.shipped import shipped_heads_dir
+from selfspec.shipped import resolve_corpus, shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 from selfspec.tree import parse_tree_spec
 
@@ -58,6 +59,7 @@ def main() -> int:
         heads = load_heads(shipped_heads_dir("eagle"), target.model)
         curve = machine_cost_curve(target.model)
         generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
+        generator.corpus = resolve_corpus("auto", True, target.model)  # as generate and serve
         plain = GenerationConfig(max_new_tokens=args.max_new_tokens, speculate=False)
         for tree_text in args.trees:
             tree = parse_tree_spec(tree_text)
