@@ -516,11 +516,12 @@ class SpeculativeGenerator:
         drafted_trees = iter(trees)
         out = []
         for step, plan, chain in zip(steps, plans, chains, strict=True):
+            sizing = plan
             if plan is not None:
                 tree = next(drafted_trees)
             elif chain:  # the heads rest, the context chains are still offered
-                own_plan = self._plan(replace(step, joint=False), batch_size, chain)
-                tree = context_tree(step.state.root_token, own_plan, self.target.device)
+                sizing = self._plan(step, batch_size, chain)
+                tree = context_tree(step.state.root_token, sizing, self.target.device)
             else:
                 tree = _root_only(step.state.root_token, self.target.device)
             with record_function("selfspec.tree_buffers"):
@@ -530,7 +531,7 @@ class SpeculativeGenerator:
                     tree,
                     buffers,
                     drafted=plan is not None,
-                    sizer=plan.sizer if plan is not None and plan.defer_keep else None,
+                    sizer=sizing.sizer if sizing is not None and sizing.defer_keep else None,
                     drafting_seconds=0.0 if plan is None else drafting,
                     context=chain,
                 )

@@ -16,7 +16,7 @@ from selfspec.drafting.sizing import TreeSizer
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.sampling import SamplingParams
-from selfspec.tree import DraftSampling, DynamicTree, StaticTree
+from selfspec.tree import ADAPTIVE_TREE, DraftSampling, DynamicTree, StaticTree
 
 
 def _chain(index: ContextIndex) -> ContextChain | None:
@@ -193,3 +193,27 @@ def test_a_context_tree_keeps_what_pays_for_its_verification(seconds, kept) -> N
         5, DraftPlan(tree=DynamicTree(2, 3, 8), context=(chain,)), torch.device("cpu")
     )
     assert fixed.tokens.tolist() == [5, 7, 8, 9] and fixed.sampling is DraftSampling.TOP_K
+
+
+def test_a_batch_sizes_context_only_trees_together() -> None:
+    """In a server round (``joint``) a step whose heads rest keeps its chains whole and carries
+    its sizer, so the round's trees are sized together (``joint_keep``, then ``resize``)."""
+    model = make_lively_model("llama")
+    flat = CostCurve(sizes=(1, 64), seconds=(1.0, 1.0))
+    heads = build_heads(heads_config_for(model, "eagle")).eval()
+    generator = SpeculativeGenerator(model, heads, cost_curve=flat)
+    config = GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree=ADAPTIVE_TREE)
+    stream = generator.stream([1, 23, 5, 61, 8, 30], config)
+    stream.start()
+    deferred = 0
+    while not stream.done:
+        drafted = stream.draft(batch_size=2, speculate=False, joint=True)
+        assert not drafted.drafted
+        if drafted.tree.size > 1:
+            deferred += 1
+            assert drafted.sizer is not None and drafted.sizer.batch_size == 2
+            assert stream.resize(drafted, 0).tree.size == 1
+        else:
+            assert drafted.sizer is None and not drafted.context
+        stream.verify(drafted)
+    assert deferred

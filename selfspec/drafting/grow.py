@@ -245,14 +245,16 @@ def _grow_static(
 
 def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree:
     """The root and ``plan``'s context chains alone, for a step whose heads do not draft (the
-    speculation gate's call): up to the tree's depth, and with an adaptive plan's sizer as many
-    of their tokens as pay for their verification (chains cost no drafting time)."""
+    speculation gate's call): up to the tree's depth (and a dynamic tree's budget), and with an
+    adaptive plan's sizer as many of their tokens as pay for their verification (chains cost
+    no drafting time), unless the plan leaves that to the caller (``defer_keep``: a batch's
+    trees sized together)."""
     tree = GrowingTree(tokens=[root_token])
     graft_context(tree, plan.context, plan.tree.depth)
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])  # parents first
-    size = len(ranked)
-    if plan.sizer is not None and getattr(plan.tree, "adaptive", False):
-        size = plan.sizer.keep([tree.scores[n] for n in ranked], 0.0)
+    size = min(len(ranked), getattr(plan.tree, "budget", len(ranked)))
+    if plan.sizer is not None and getattr(plan.tree, "adaptive", False) and not plan.defer_keep:
+        size = plan.sizer.keep([tree.scores[n] for n in ranked[:size]], 0.0)
     keep = [0, *sorted(ranked[:size])]
     return _finish(tree, keep, plan, None, pruned=True, device=device)
 
