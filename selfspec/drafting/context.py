@@ -54,7 +54,8 @@ class MatchRate:
 
 @dataclass(frozen=True)
 class ContextDrafts:
-    """How a request drafts from its own context (``GenerationConfig.context_drafts``)."""
+    """How a request drafts from its own context and the generator's draft corpus
+    (``GenerationConfig.context_drafts``)."""
 
     max_tokens: int = 8
     """Longest chain proposed per step."""
@@ -109,8 +110,8 @@ class SourceRates:
     """One source's observed match rates (see the module docstring)."""
 
     max_ngram: int
-    first: list[MatchRate] = field(default_factory=list)
-    """Index n: P(a chain found by an n-gram match starts right)."""
+    first: list[MatchRate] = field(init=False)
+    """Index n (1..max_ngram): P(a chain found by an n-gram match starts right)."""
     next: MatchRate = field(default_factory=MatchRate)
     """P(a chain token matches | the one before it did)."""
 

@@ -54,20 +54,22 @@ class DraftCorpus:
         """tokens: # [N] int64, responses separated by ``SEPARATOR``."""
         if tokens.ndim != 1 or (tokens.size and (tokens.min() < SEPARATOR)):
             raise ValueError("corpus tokens must be a 1-D array of ids and -1 separators")
+        if tokens.size >= 2**31 - 16:
+            raise ValueError(f"a draft corpus holds fewer than 2**31 tokens, got {tokens.size}")
         if tokens.size and tokens.max() >= vocab_size:
             raise ValueError(f"corpus token {int(tokens.max())} is outside the vocabulary")
         self.vocab_size = vocab_size
         self.max_ngram = key_ngram(vocab_size, max_ngram)
-        self.tokens = tokens.astype(np.int64)
+        self.tokens = tokens.astype(np.int32)  # [N]; ids and positions fit in 32 bits
         base = vocab_size + 1
-        shifted = np.concatenate([self.tokens + 1, np.zeros(self.max_ngram, np.int64)])
+        shifted = np.concatenate([tokens.astype(np.int64) + 1, np.zeros(self.max_ngram, np.int64)])
         keys = np.zeros(self.tokens.size, np.int64)  # shifted ids: 0 = separator / end
         for offset in range(self.max_ngram):
             keys = keys * base + shifted[offset : offset + self.tokens.size]
-        positions = np.nonzero(self.tokens != SEPARATOR)[0]
+        positions = np.nonzero(self.tokens != SEPARATOR)[0].astype(np.int32)
         order = np.argsort(keys[positions], kind="stable")  # ties: earlier positions first
-        self._keys = keys[positions][order]  # [P] sorted
-        self._positions = positions[order]  # [P]
+        self._keys = keys[positions][order]  # [P] int64, sorted
+        self._positions = positions[order]  # [P] int32
         self._base = base
 
     @classmethod
@@ -101,6 +103,11 @@ class DraftCorpus:
             follow = self._positions[max(first, last - MAX_MATCHES) : last] + n  # [M]
             chain: list[int] = []
             while len(chain) < max_tokens and follow.size:
+                if follow.size == 1:  # one match left: its own continuation, to its end
+                    start = int(follow[0])
+                    rest = tokens[start : start + max_tokens - len(chain)].tolist()
+                    chain += rest[: rest.index(SEPARATOR)] if SEPARATOR in rest else rest
+                    break
                 nexts = tokens[np.minimum(follow, tokens.size - 1)]
                 nexts = np.where(follow < tokens.size, nexts, SEPARATOR)  # [M]
                 ids, counts = np.unique(nexts[nexts != SEPARATOR], return_counts=True)
