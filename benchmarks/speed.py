@@ -193,6 +193,7 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
         curve = cached_cost_curve(TargetForward(target.model), cache_root())
         curves[dtype] = curve
         vanilla = SpeculativeGenerator(target.model, None, target.tokenizer)
+        corpus = resolve_corpus(args.draft_corpus, True, target.model)  # once for every heads set
         methods.append(
             Method("selfspec vanilla", dtype, selfspec_generate(vanilla, n, False, None), "vanilla")
         )
@@ -202,7 +203,7 @@ def build_methods(args: argparse.Namespace) -> tuple[list[Method], dict[str, Cos
             generator = SpeculativeGenerator(target.model, heads, target.tokenizer, curve)
             if not args.speculation_gate:
                 generator.gate = None  # adaptive trees draft at every step: the sizer alone
-            generator.corpus = resolve_corpus(args.draft_corpus, True, target.model)
+            generator.corpus = corpus
             deepest = heads.config.num_heads if heads.config.kind.value == "medusa" else None
             for tree_name, tree in trees.items():
                 if deepest is not None and tree is not None and tree.depth > deepest:

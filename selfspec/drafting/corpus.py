@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from selfspec.atomic import write_file_atomic
 from selfspec.fingerprint import BaseFingerprint, check_compatible
@@ -124,9 +124,8 @@ class DraftCorpus:
         """One safetensors file (uint16 / int32 ids, separators as the vocabulary size), the
         base model's fingerprint in its metadata; written atomically."""
         stored = np.where(self.tokens == SEPARATOR, self.vocab_size, self.tokens)
-        dtype = np.uint16 if self.vocab_size < 2**16 else np.int32
-        tensor = torch.from_numpy(stored.astype(dtype).astype(np.int32))
-        tensor = tensor.to(torch.uint16) if dtype is np.uint16 else tensor
+        tensor = torch.from_numpy(stored.astype(np.int32))
+        tensor = tensor.to(torch.uint16) if self.vocab_size < 2**16 else tensor
         metadata = {
             "format": "selfspec-draft-corpus",
             "vocab_size": str(self.vocab_size),
@@ -141,11 +140,9 @@ def load_corpus(path: Path, fingerprint: BaseFingerprint) -> DraftCorpus:
     """The corpus saved at ``path``; refuses one made for another base model."""
     path = Path(path)
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="pt") as handle:  # one read: metadata and tokens
             metadata = handle.metadata() or {}
-        tokens = load_file(str(path))["tokens"]
+            tokens = handle.get_tensor("tokens")
     except (OSError, SafetensorError, KeyError) as error:
         raise CorpusError(f"draft corpus {path} cannot be read: {error}") from error
     if metadata.get("format") != "selfspec-draft-corpus":
