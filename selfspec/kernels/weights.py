@@ -109,6 +109,11 @@ class KernelWeight:
             table = (k // Q4_BLOCK, n) if self.format in STORED_AS else (n, k // Q4_BLOCK)
             _check_table(self.scale, table, f"{self.format} scale")
             _check_table(self.minimum, table, f"{self.format} min")
+            # The kernels dequantize q * d + m with one fused multiply-add on one path and a
+            # product then a sum on another; the bits agree only because q * d is exact, i.e.
+            # d is a float16 value, as a GGUF file stores it (``quantize_q4_1`` rounds it so).
+            if not torch.equal(self.scale, self.scale.half().float()):
+                raise ValueError(f"{self.format} scales must be float16 values (as in GGUF files)")
 
     @property
     def stored(self) -> str:

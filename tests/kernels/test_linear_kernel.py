@@ -3,6 +3,8 @@ and the fallback, every weight format (integer activations included), clear erro
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import cpp_paths
@@ -204,11 +206,17 @@ def test_kernel_linear_module_keeps_training_and_peft_paths(kernel_path: str) ->
         (lambda: activations_int8(_int8_with(-128)), r"\[-127, 127\]"),
         (lambda: activations_int24(_int8_with(-128)), r"int8_a24 needs int8 codes"),
         (lambda: integer_activations(quantize_int8(torch.zeros(4, 64)), "_a16"), "one of"),
+        (lambda: _q4_1_with_scale(0.1), "float16 values"),
     ],
 )
 def test_bad_weights_are_clear_errors(make, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def _q4_1_with_scale(scale: float) -> KernelWeight:
+    weight = quantize_q4_1(torch.randn(2, 32))
+    return replace(weight, scale=torch.full_like(weight.scale, scale))
 
 
 def _int8_with(code: int) -> KernelWeight:

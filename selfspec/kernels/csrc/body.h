@@ -68,8 +68,9 @@ SS_INLINE V weight_chunk(const RowRef& row, int64_t k, int rest, int64_t group_s
   } else {  // kQ4_1, K a multiple of 32: elements k..k+15 are one half of block k / 32
     const int64_t block = k >> 5;
     const V q = vload_q4_half(reinterpret_cast<const uint8_t*>(row.data) + block * 16, (k >> 4) & 1);
-    // (q * d) + m as two roundings, as GGUF's reference dequantization computes it.
-    return vadd(vmul(q, vset1(row.scale[block])), vset1(row.minimum[block]));
+    // (q * d) + m, as GGUF's reference dequantization computes it (two roundings); one fused
+    // multiply-add gives the same bits, q * d being exact (see vdequant_q4 in vec_avx2.h).
+    return vfma(q, vset1(row.scale[block]), vset1(row.minimum[block]));
   }
 }
 

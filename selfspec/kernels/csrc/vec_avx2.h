@@ -65,12 +65,14 @@ SS_INLINE void vload_q4(const uint8_t* p, V& lo, V& hi) {
   hi = widen_u8(_mm_and_si128(_mm_srli_epi16(b, 4), low_mask));
 }
 
-// A Q4_1 block's 32 weights (q * d) + m, two roundings; the same bits as vec_avx512.h's table.
+// A Q4_1 block's 32 weights (q * d) + m as one fused multiply-add: q * d is exact (q has 4
+// bits, d at most 11 significant ones: a float16 value, checked by weights.py), so the single
+// rounding gives the bits of vec_avx512.h's table, (q * d) + m rounded twice, one uop sooner.
 SS_INLINE void vdequant_q4(const uint8_t* p, float d, float m, V& lo, V& hi) {
   V q_lo, q_hi;
   vload_q4(p, q_lo, q_hi);
-  lo = vadd(vmul(q_lo, vset1(d)), vset1(m));
-  hi = vadd(vmul(q_hi, vset1(d)), vset1(m));
+  lo = vfma(q_lo, vset1(d), vset1(m));
+  hi = vfma(q_hi, vset1(d), vset1(m));
 }
 
 SS_INLINE V vload_q4_half(const uint8_t* p, int64_t half) {
