@@ -371,22 +371,19 @@ SS_INLINE void store_group_rows(const LinearParams& p, int64_t m, int rows, int6
 
 // A block's exact integer sums for one row: the 8 runs of codes times the row's activation codes
 // at `x` (32 bytes), from `start` (the AVX-512 int8 offset's correction, else 0). Two chains
-// (elements 0-15, 16-31), added at the end: exact integers.
+// (elements 0-15, 16-31), added at the end: exact integers. Q4_1 codes: each ISA's own
+// qblock_q4 (same integers).
 template <bool Q4>
 SS_INLINE Q block_dot(const Q* codes, const int8_t* x, int32_t start) {
-  Q low = Q4 ? qzero() : qinit_i8(start), high = qzero();
+  if constexpr (Q4) return qblock_q4(codes, x);
+  Q low = qinit_i8(start), high = qzero();
 #pragma GCC unroll 4
   for (int t = 0; t < 4; ++t) {
     int32_t x_lo, x_hi;
     __builtin_memcpy(&x_lo, x + 4 * t, 4);
     __builtin_memcpy(&x_hi, x + 16 + 4 * t, 4);
-    if constexpr (Q4) {
-      low = qdot_bcast(low, codes[t], x_lo);
-      high = qdot_bcast(high, codes[4 + t], x_hi);
-    } else {
-      low = qdot_bcast_i8(low, codes[t], x_lo);
-      high = qdot_bcast_i8(high, codes[4 + t], x_hi);
-    }
+    low = qdot_bcast_i8(low, codes[t], x_lo);
+    high = qdot_bcast_i8(high, codes[4 + t], x_hi);
   }
   return qadd(low, high);
 }

@@ -124,6 +124,18 @@ SS_INLINE Q qzero() { return {_mm512_setzero_si512()}; }
 SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
 }
+// A Q4_1 block's exact integer sums for one row: the 8 runs of codes (runs 0-3 elements 0-15,
+// 4-7 elements 16-31) times the row's 32 activation codes at `x`.
+SS_INLINE Q qblock_q4(const Q* codes, const int8_t* x) {
+  Q sum = qzero();
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+    int32_t x4;
+    __builtin_memcpy(&x4, x + (t < 4 ? 4 * t : 16 + 4 * (t - 4)), 4);
+    sum = qdot_bcast(sum, codes[t], x4);
+  }
+  return sum;
+}
 // int8_a8: 64 interleaved code bytes offset by 128 (VNNI's first operand is unsigned), ...
 SS_INLINE Q qcodes_i8(const uint8_t* p) {
   return {_mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(static_cast<char>(0x80)))};
