@@ -125,16 +125,19 @@ SS_INLINE Q qdot_bcast(Q acc, Q w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
 }
 // A Q4_1 block's exact integer sums for one row: the 8 runs of codes (runs 0-3 elements 0-15,
-// 4-7 elements 16-31) times the row's 32 activation codes at `x`.
+// 4-7 elements 16-31) times the row's 32 activation codes at `x`, in two chains (elements 0-15,
+// 16-31) added at the end.
 SS_INLINE Q qblock_q4(const Q* codes, const int8_t* x) {
-  Q sum = qzero();
-#pragma GCC unroll 8
-  for (int t = 0; t < 8; ++t) {
-    int32_t x4;
-    __builtin_memcpy(&x4, x + (t < 4 ? 4 * t : 16 + 4 * (t - 4)), 4);
-    sum = qdot_bcast(sum, codes[t], x4);
+  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) {
+    int32_t x_lo, x_hi;
+    __builtin_memcpy(&x_lo, x + 4 * t, 4);
+    __builtin_memcpy(&x_hi, x + 16 + 4 * t, 4);
+    low = _mm512_dpbusd_epi32(low, codes[t].v, _mm512_set1_epi32(x_lo));
+    high = _mm512_dpbusd_epi32(high, codes[4 + t].v, _mm512_set1_epi32(x_hi));
   }
-  return sum;
+  return {_mm512_add_epi32(low, high)};
 }
 // int8_a8: 64 interleaved code bytes offset by 128 (VNNI's first operand is unsigned), ...
 SS_INLINE Q qcodes_i8(const uint8_t* p) {
