@@ -14,8 +14,10 @@ either way).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -38,6 +40,7 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 ISA_ENV = "SELFSPEC_KERNEL_ISA"
 BACKEND_ENV = "SELFSPEC_KERNELS"
 ISAS = ("auto", "avx512", "avx2")
+COMPLETE = "complete"  # written into a build directory once its module has loaded
 
 
 class KernelError(RuntimeError):
@@ -79,9 +82,42 @@ def load() -> ModuleType | None:
     key = build_key()
     build_dir = cache_root() / "kernels" / f"small_m-{key}"
     try:
-        from torch.utils import cpp_extension
+        module = _built(build_dir, key) or _build(build_dir, key)
+    except Exception as err:  # a missing compiler or ninja, a compile error: fall back, say so
+        _warn_fallback(f"building them failed: {str(err).strip().splitlines()[-1:]}")
+        return None
+    if not module.supported_isas():
+        _warn_fallback("this CPU has neither AVX2 with FMA nor AVX-512")
+        return None
+    return module
 
-        build_dir.mkdir(parents=True, exist_ok=True)
+
+def _built(build_dir: Path, key: str) -> ModuleType | None:
+    """The module a finished build left (its ``complete`` marker written after it loaded once),
+    imported directly: no compiler, no lock. The key hashes the sources, so it is this build."""
+    library = build_dir / f"selfspec_small_m_{key}.so"
+    if not (build_dir / COMPLETE).exists() or not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(f"selfspec_small_m_{key}", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(build_dir: Path, key: str) -> ModuleType:
+    """Compile (or finish compiling) under an OS lock that dies with its process. torch's own
+    lock file is a plain file that a killed build leaves behind, after which every later load
+    would wait on it forever: held under our lock, any such file is stale and removed."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
+        if (build_dir / "lock").exists():
+            logger.warning(
+                "removing a stale kernel build lock left by a killed build: %s", build_dir
+            )
+            (build_dir / "lock").unlink()
         module = cpp_extension.load(
             name=f"selfspec_small_m_{key}",
             sources=[str(CSRC / name) for name in SOURCES],
@@ -90,12 +126,7 @@ def load() -> ModuleType | None:
             build_directory=str(build_dir),
             verbose=False,
         )
-    except Exception as err:  # a missing compiler or ninja, a compile error: fall back, say so
-        _warn_fallback(f"building them failed: {str(err).strip().splitlines()[-1:]}")
-        return None
-    if not module.supported_isas():
-        _warn_fallback("this CPU has neither AVX2 with FMA nor AVX-512")
-        return None
+        (build_dir / COMPLETE).touch()
     return module
 
 

@@ -87,6 +87,35 @@ def test_a_failed_build_warns_and_falls_back(
         extension.load.cache_clear()
 
 
+def test_a_killed_builds_lock_is_cleared_and_a_finished_build_is_imported_directly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from types import SimpleNamespace
+
+    from torch.utils import cpp_extension
+
+    # A build killed mid-way leaves torch's lock file, on which cpp_extension would wait forever.
+    build_dir = tmp_path / "small_m-test"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()
+    seen = []
+
+    def fake_load(**kwargs: object) -> SimpleNamespace:
+        seen.append((build_dir / "lock").exists())
+        return SimpleNamespace(supported_isas=lambda: ["avx2"])
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    module = extension._build(build_dir, "test")
+    assert seen == [False] and module.supported_isas() == ["avx2"]
+    assert (build_dir / extension.COMPLETE).exists()
+    # A marker without its library is not a finished build.
+    assert extension._built(build_dir, "test") is None
+    if extension.load() is not None:  # the real build is marked finished: later loads import it
+        real = Path(extension.load().__file__).parent
+        assert (real / extension.COMPLETE).exists()
+        assert extension._built(real, extension.build_key()) is not None
+
+
 def test_an_unknown_isa_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(extension.ISA_ENV, "neon")
     with pytest.raises(extension.KernelError, match="SELFSPEC_KERNEL_ISA"):
