@@ -16,8 +16,8 @@ ACTIVATIONS_HELP = (
     "float32 from a GGUF file's quantized blocks: float (each block dequantized, fp32 "
     "multiply-adds: the dense fp32 results bit for bit) | int24 (each block of 32 activations as "
     "24-bit integers under a power-of-two scale, integer dot products: float32-grade, faster "
-    "where the CPU has AVX-512 VNNI or AMX) | auto (the default: int24 where it is faster, else "
-    "float). Speculation is exact either way"
+    "on the AVX2 path and where AVX-512 has VNNI) | auto (the default: int24 where it is "
+    "faster, else float). Speculation is exact either way"
 )
 
 

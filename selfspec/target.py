@@ -100,8 +100,8 @@ class TargetSpec:
     kept to 2^-22 of its block's largest magnitude, fp32's own rounding being 2^-24 of itself),
     integer dot products summed exactly: float32-grade, within float noise of "float" but not
     bit-equal to it, and still row-invariant (speculation stays exact), with the same bits on
-    every instruction-set path. "auto": "int24" where it is faster (the AVX-512 path with VNNI:
-    `selfspec.kernels.extension.integer_activations_pay`), else "float"."""
+    every instruction-set path. "auto": "int24" where it is faster (the AVX-512 path with VNNI,
+    the AVX2 path: `selfspec.kernels.extension.integer_activations_pay`), else "float"."""
     device: str = "cpu"
     """Where the model runs: "cpu"; "cuda" or "cuda:N"; "auto": cuda when torch sees a GPU and
     the mode runs there, else cpu. The CPU is the default because the row-invariant kernels run

@@ -13,7 +13,7 @@ Modes (what ``TargetSpec.dtype`` names):
 - ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32;
   float32 from a GGUF file's blocks (``given``) reads those, dequantized in the kernel, or with
   ``activations="int24"`` computes with each block of 32 activations as 24-bit integers under a
-  power-of-two scale (float32-grade, integer dot products: faster where the CPU has VNNI).
+  power-of-two scale (float32-grade, integer dot products: faster on AVX2 and AVX-512 VNNI).
 - ``int8``: per-output-channel int8 codes (weight-only; activations stay fp32).
 - ``int4``: Q4_1 blocks (4-bit codes, scale and minimum per 32 weights) for every layer but the
   output layer, which is int8 with a scale per 32 weights (as GGUF's Q8_0). From a GGUF file the

@@ -22,7 +22,7 @@ broadcast activation codes, so the per-block scaling is done once per 16 columns
 activations as 24-bit integers under a power-of-two scale, cut into three int8 digits: three
 integer dot products per block, summed exactly (``activations_int24``). Float32-grade (each
 activation kept to 2^-22 of its block's largest magnitude), float32 mode's arithmetic from a
-GGUF file's blocks where the CPU has VNNI (``TargetSpec.activations``).
+GGUF file's blocks on AVX2 and AVX-512 VNNI (``TargetSpec.activations``).
 
 ``quantize_int8`` and ``quantize_q4_1`` quantize a dense weight; ``from_gguf_blocks`` (in
 ``selfspec.kernels.gguf``) takes a GGUF file's own blocks, so a 4-bit model read from GGUF
