@@ -43,6 +43,8 @@ import torch
 from tqdm import tqdm
 
 from selfspec.atomic import write_text_atomic
+from selfspec.cost_curve import cpu_flags, cpu_model
+from selfspec.modes import ACTIVATION_NAMES
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.serve.metrics import ServerMetrics
@@ -68,6 +70,8 @@ class LoadConfig:
     """torch CPU threads."""
     dtype: str = "float32"
     """The served target's dtype: "float32" or "bfloat16" (packed weights)."""
+    activations: str = "auto"
+    """float32 from the GGUF file's blocks: "auto", "float" or "int24" (`serve --activations`)."""
     seed: int = 0
     """Seeds the clients' choice of model and prompt."""
 
@@ -288,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=4, help="first held-out prompts used")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--activations", choices=ACTIVATION_NAMES, default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--out", type=Path, default=Path("runs/load_test"))
@@ -301,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             num_prompts=args.num_prompts,
             threads=args.threads,
             dtype=args.dtype,
+            activations=args.activations,
             seed=args.seed,
         )
         prompts = load_prompts(args.prompts, config.num_prompts)
@@ -310,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # Default heads, shipped example adapters, default tree; queue room for every client.
     base = build_state(
-        ServeArgs(threads=config.threads, max_queue=config.clients, dtype=config.dtype)
+        ServeArgs(
+            threads=config.threads,
+            max_queue=config.clients,
+            dtype=config.dtype,
+            activations=config.activations,
+        )
     )
     models = [base.model_name, *sorted(base.served)]
     print(f"serving {base.model_name} with adapters {', '.join(models[1:])}; ", end="")
@@ -342,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
+            "cpu_flags": cpu_flags(),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
@@ -355,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_text_atomic(args.out / "load_test.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(args.out / "load_test.md", table)
+    print(f"{cpu_model()} (flags: {' '.join(cpu_flags())}), {config.threads} torch threads")
     print(table)
     print(f"wrote {args.out / 'load_test.json'} and {args.out / 'load_test.md'}")
     return 0
