@@ -67,8 +67,9 @@ class DraftCorpus:
         for offset in range(self.max_ngram):
             keys = keys * base + shifted[offset : offset + self.tokens.size]
         positions = np.nonzero(self.tokens != SEPARATOR)[0].astype(np.int32)
-        order = np.argsort(keys[positions], kind="stable")  # ties: earlier positions first
-        self._keys = keys[positions][order]  # [P] int64, sorted
+        position_keys = keys[positions]  # [P] int64
+        order = np.argsort(position_keys, kind="stable")  # ties: earlier positions first
+        self._keys = position_keys[order]  # [P] int64, sorted
         self._positions = positions[order]  # [P] int32
         self._base = base
 
