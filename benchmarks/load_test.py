@@ -17,6 +17,10 @@ output token after the first), τ, and errors by status. Afterwards every distin
 prompt) sent is run again alone on the idle server, one at a time, with speculation off: the
 `equal` column counts the greedy outputs that equal that serial vanilla reference, which checks
 both that concurrency does not change a request's output and that speculation is lossless.
+Before its two cells each server answers every (model, prompt) once, unmeasured (`warm_up`), so
+the cell that runs first does not pay the prefills that the prefix cache then saves the other;
+then the two cells run in `--phases` alternating phases (on, off, off, on, ...), so that drift
+over the run falls on both alike.
 
     .venv/bin/python benchmarks/load_test.py --clients 4 --duration 30 --out runs/load_test
 
@@ -53,6 +57,7 @@ from selfspec.target import DTYPES
 BATCHING = ("one-forward", "interleaved", "off")
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 REQUEST_TIMEOUT_S = 600.0
+WARM_UP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,10 @@ class LoadConfig:
     """float32 from the GGUF file's blocks: "auto", "float" or "int24" (`serve --activations`)."""
     seed: int = 0
     """Seeds the clients' choice of model and prompt."""
+    phases: int = 2
+    """Each cell's duration (and request bound) is split into this many phases, the on and
+    off cells of a server alternating as on, off, off, on, ... so that drift over the run
+    (warming caches, a neighbour's load) falls on both alike."""
 
     def __post_init__(self) -> None:
         if self.clients < 1:
@@ -88,6 +97,13 @@ class LoadConfig:
             raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.phases < 1:
+            raise ValueError(f"--phases must be >= 1, got {self.phases}")
+
+    def phase(self) -> LoadConfig:
+        """One phase of a cell: its share of the duration and of the request bound."""
+        share = None if self.max_requests is None else -(-self.max_requests // self.phases)
+        return replace(self, duration=self.duration / self.phases, max_requests=share)
 
 
 @dataclass
@@ -166,17 +182,23 @@ def request_body(model: str, prompt: str, config: LoadConfig, speculation: bool)
 
 
 def run_cell(
-    url: str, cell: Cell, config: LoadConfig, models: list[str], prompts: list[str]
+    url: str,
+    cell: Cell,
+    config: LoadConfig,
+    models: list[str],
+    prompts: list[str],
+    phase: int = 0,
 ) -> None:
-    """N clients, each a thread sending one request after another until the deadline."""
+    """N clients, each a thread sending one request after another until the deadline; the
+    samples and the wall time add to ``cell``'s."""
     lock = threading.Lock()
     started = [0]
     deadline = time.monotonic() + config.duration
-    name = f"speculation {_on(cell.speculation)}, batching {cell.batching}"
+    name = f"speculation {_on(cell.speculation)}, batching {cell.batching}, phase {phase + 1}"
     bar = tqdm(total=config.max_requests, desc=name, unit="req", leave=False)
 
     def client(index: int) -> None:
-        rng = random.Random(config.seed * 1000 + index)
+        rng = random.Random(f"{config.seed}:{index}:{phase}")
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
             while time.monotonic() < deadline:
                 with lock:
@@ -198,8 +220,21 @@ def run_cell(
         thread.start()
     for thread in threads:
         thread.join()
-    cell.wall_seconds = time.perf_counter() - start
+    cell.wall_seconds += time.perf_counter() - start
     bar.close()
+
+
+def warm_up(url: str, config: LoadConfig, models: list[str], prompts: list[str]) -> None:
+    """Every (model, prompt) once, one at a time, a few tokens with speculation on, not
+    measured: both cells of a server then meet the same warm prefix cache (the first cell
+    otherwise pays every prompt's prefill and the second none)."""
+    short = replace(config, max_tokens=WARM_UP_TOKENS)
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        for model in models:
+            for prompt in prompts:
+                sample = stream_chat(http, url, request_body(model, prompt, short, True))
+                if sample.status != "200":
+                    raise RuntimeError(f"the warm-up request on {model} failed: {sample.status}")
 
 
 def serial_references(
@@ -294,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--activations", choices=ACTIVATION_NAMES, default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--phases", type=int, default=2, help="phases per cell, on and off alternating (ABBA)"
+    )
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--out", type=Path, default=Path("runs/load_test"))
     args = parser.parse_args(argv)
@@ -308,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             activations=args.activations,
             seed=args.seed,
+            phases=args.phases,
         )
         prompts = load_prompts(args.prompts, config.num_prompts)
     except (OSError, ValueError) as error:
@@ -336,11 +375,13 @@ def main(argv: list[str] | None = None) -> int:
             batch_verify=batching == "one-forward",
             metrics=ServerMetrics(),
         )
+        pair = {on: Cell(on, batching, max_running) for on in (True, False)}
         with running_server(state) as (url, _):
-            for speculation in (True, False):
-                cell = Cell(speculation, batching, max_running)
-                run_cell(url, cell, config, models, prompts)
-                cells.append(cell)
+            warm_up(url, config, models, prompts)
+            for phase in range(config.phases):
+                for speculation in (True, False) if phase % 2 == 0 else (False, True):
+                    run_cell(url, pair[speculation], config.phase(), models, prompts, phase)
+            cells += [pair[True], pair[False]]
             if batching == "off":  # the last server: now idle, it runs the serial references
                 references = serial_references(url, cells, config, prompts)
 

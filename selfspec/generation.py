@@ -481,11 +481,13 @@ class SpeculativeGenerator:
     ) -> DraftedStep:
         """The tree this step verifies (the root alone without speculation), with its buffers.
         batch_size: requests whose trees the verification forward will hold (adaptive sizing
-        prices this tree by its share of that forward). speculate False: the root alone for
+        prices this tree by its share of that forward). speculate False: the heads do not draft
         this step even in a speculating request (the draft state still advances in
-        ``conclude``, as after a step whose drafts were all rejected). joint: an adaptive tree
-        keeps every node it drafted (up to its budget) and the step carries its sizer, so the
-        caller sizes the batch's trees together (``sizing.joint_keep``, then ``resize``)."""
+        ``conclude``, as after a step whose drafts were all rejected); alone (``batch_size``
+        1) its context chains are still offered, since they cost no drafting and are sized like
+        any tree, in a batch the root alone. joint: an adaptive tree keeps every node it
+        drafted (up to its budget) and the step carries its sizer, so the caller sizes the
+        batch's trees together (``sizing.joint_keep``, then ``resize``)."""
         return self.draft_many([StepToDraft(state, config, speculate, joint)], batch_size)[0]
 
     def draft_many(self, steps: Sequence[StepToDraft], batch_size: int) -> list[DraftedStep]:
@@ -494,8 +496,14 @@ class SpeculativeGenerator:
         the drafting time. The caller runs them under one scope (the same adapter)."""
         speculating = [step.config.speculate and step.speculate for step in steps]
         self._catch_up([step.state for step, own in zip(steps, speculating, strict=True) if own])
-        chains = [  # each step's context chains, () for none
-            step.state.context.propose() if step.state.context is not None else () for step in steps
+        # Each step's context chains, () for none. A step the gate keeps plain offers them only
+        # when it runs alone: in a batch they would pad every row, rarely pay (16 requests: 2 of
+        # 95 plain rounds kept a chain node) and cost each request its proposal every round.
+        chains = [
+            step.state.context.propose()
+            if step.state.context is not None and (own or batch_size == 1)
+            else ()
+            for step, own in zip(steps, speculating, strict=True)
         ]
         plans = [  # None: the heads do not draft this step
             self._plan(step, batch_size, chain) if own else None
@@ -519,7 +527,7 @@ class SpeculativeGenerator:
             sizing = plan
             if plan is not None:
                 tree = next(drafted_trees)
-            elif chain:  # the heads rest, the context chains are still offered
+            elif chain:  # the heads rest, the context chains are still offered (alone)
                 sizing = self._plan(step, batch_size, chain)
                 tree = context_tree(step.state.root_token, sizing, self.target.device)
             else:

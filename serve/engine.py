@@ -429,7 +429,8 @@ class Engine:
         return left
 
     def _draft_and_verify(self, jobs: list[Job], speculate: bool) -> list[Job]:
-        """Draft each job's tree (its root alone unless ``speculate``), verify them all in one
+        """Draft each job's tree (unless ``speculate``, its root alone, or with its context
+        chains when it is the only job: ``SpeculativeGenerator.draft``), verify them all in one
         target forward under a mixed-adapter scope, conclude each. Returns the jobs that left.
         Should the shared forward fail, each drafted tree is verified alone, so one bad request
         cannot fail the others."""

@@ -195,9 +195,10 @@ def test_a_context_tree_keeps_what_pays_for_its_verification(seconds, kept) -> N
     assert fixed.tokens.tolist() == [5, 7, 8, 9] and fixed.sampling is DraftSampling.TOP_K
 
 
-def test_a_batch_sizes_context_only_trees_together() -> None:
-    """In a server round (``joint``) a step whose heads rest keeps its chains whole and carries
-    its sizer, so the round's trees are sized together (``joint_keep``, then ``resize``)."""
+def test_a_plain_step_offers_its_chains_alone_but_not_in_a_batch() -> None:
+    """A step whose heads rest (the gate's plain round) verifies its context chains when the
+    request runs alone, sized by its own sizer; in a batch it is the root alone, with no sizer
+    for the round's joint sizing (chains would pad every row and rarely pay there)."""
     model = make_lively_model("llama")
     flat = CostCurve(sizes=(1, 64), seconds=(1.0, 1.0))
     heads = build_heads(heads_config_for(model, "eagle")).eval()
@@ -205,15 +206,15 @@ def test_a_batch_sizes_context_only_trees_together() -> None:
     config = GenerationConfig(max_new_tokens=24, stop_token_ids=(), tree=ADAPTIVE_TREE)
     stream = generator.stream([1, 23, 5, 61, 8, 30], config)
     stream.start()
-    deferred = 0
+    with_chains = 0
     while not stream.done:
-        drafted = stream.draft(batch_size=2, speculate=False, joint=True)
-        assert not drafted.drafted
-        if drafted.tree.size > 1:
-            deferred += 1
-            assert drafted.sizer is not None and drafted.sizer.batch_size == 2
-            assert stream.resize(drafted, 0).tree.size == 1
-        else:
-            assert drafted.sizer is None and not drafted.context
-        stream.verify(drafted)
-    assert deferred
+        in_batch = stream.draft(batch_size=2, speculate=False, joint=True)
+        assert not in_batch.drafted and in_batch.tree.size == 1
+        assert in_batch.sizer is None and not in_batch.context
+        alone = stream.draft(batch_size=1, speculate=False)
+        assert not alone.drafted
+        if alone.tree.size > 1:
+            with_chains += 1
+            assert alone.context
+        stream.verify(alone)
+    assert with_chains

@@ -1,5 +1,6 @@
 """The engine's speculation gate: each choice tried first, then the faster one, the other
-explored ever more rarely while it keeps losing, per batch size."""
+explored ever more rarely while it keeps losing, per batch size; a new batch size starts from
+its nearest measured neighbour's verdict instead of warming up again."""
 
 from __future__ import annotations
 
@@ -25,8 +26,32 @@ def test_the_faster_choice_wins_and_the_slower_is_explored() -> None:
     # Only exploring: at round 10, then 20 rounds later, then 40 later (it kept losing).
     assert [i + 7 for i, c in enumerate(later) if c] == [10, 30]
     assert gate.rates(4) == {True: 49.0, False: 84.0}
-    # Another batch size learns on its own: there speculation is faster.
-    assert _run(gate, 1, 20, {True: 40.0, False: 30.0})[6:].count(False) == 1  # round 10
+    # Another batch size starts from batch 4's verdict (plain), explores speculation at its
+    # 10th round, finds it faster there, and speculates from then on (exploring plain at 20).
+    choices = _run(gate, 1, 24, {True: 40.0, False: 30.0})
+    assert choices == [False] * 9 + [True] * 10 + [False] + [True] * 4
+    assert gate.rates(1) == {True: 40.0, False: 30.0}
+
+
+def test_a_new_batch_size_takes_the_nearest_verdict_without_warming_up() -> None:
+    gate = SpeculationGate(SpeculationGateConfig(explore_every=10, warmup=3))
+    _run(gate, 4, 6, {True: 90.0, False: 60.0})  # the warm-up, once: speculation wins
+    # 16 speculates at once, no warm-up, until its first exploration (round 10) finds plain
+    # rounds faster there; from then on its own rates decide.
+    assert _run(gate, 16, 14, {True: 60.0, False: 84.0}) == [True] * 9 + [False] * 5
+    assert gate.rates(16) == {True: 60.0, False: 84.0}
+    # 12 is nearer 16: plain; 10 is as near 4 as 16 (ties go to the smaller): it speculates.
+    assert _run(gate, 12, 9, {True: 50.0, False: 70.0}) == [False] * 9
+    assert _run(gate, 10, 9, {True: 50.0, False: 70.0}) == [True] * 9
+
+
+def test_the_rate_weighs_rounds_by_their_time() -> None:
+    """Moving averages of tokens and of seconds, not of per-round rates: a 3-token round of
+    0.1 s and a 1-token round of 0.9 s commit 4 tokens a second, not (30 + 1.1) / 2."""
+    gate = SpeculationGate(SpeculationGateConfig(smoothing=0.5))
+    gate.observe(2, True, tokens=3, seconds=0.1)
+    gate.observe(2, True, tokens=1, seconds=0.9)
+    assert gate.rates(2)[True] == pytest.approx(2.0 / 0.5)
 
 
 def test_exploring_backs_off_to_a_bound_and_resets_when_the_choice_turns() -> None:
