@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import sys
 import time
@@ -42,7 +41,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_file_atomic, write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.generation import eos_token_ids
 from selfspec.kv_commit import drop_uncommitted
@@ -312,11 +310,7 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         f"{settings['max_new_tokens']} tokens, {settings['dtype']}",
         fontsize=9,
     )
-    figure.tight_layout()
-    try:
-        return write_file_atomic(path, lambda temporary: figure.savefig(temporary, dpi=110))
-    finally:
-        plt.close(figure)
+    return tau_heldout.save_figure(figure, path)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -403,10 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    write_text_atomic(args.out / "results.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "results.md", table)
-    print(table)
+    tau_heldout.write_results(args.out, report, markdown(report))
     if plot(report, args.out / "tau_bound.png") is None:
         print("(no plot: matplotlib is not installed)")
     return 0

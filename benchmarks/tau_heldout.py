@@ -560,6 +560,21 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         f"{settings['max_new_tokens']} tokens, {settings['dtype']}",
         fontsize=9,
     )
+    return save_figure(figure, path)
+
+
+def write_results(out: Path, report: dict[str, Any], table: str) -> None:
+    """OUT/results.json (the report) and OUT/results.md (its tables), each atomically; the
+    tables printed."""
+    write_text_atomic(out / "results.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out / "results.md", table)
+    print(table)
+
+
+def save_figure(figure: Any, path: Path) -> Path:
+    """Lay ``figure`` out, write it to ``path`` atomically, close it."""
+    from matplotlib import pyplot as plt
+
     figure.tight_layout()
     try:
         return write_file_atomic(path, lambda temporary: figure.savefig(temporary, dpi=110))
@@ -761,10 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    write_text_atomic(args.out / "results.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "results.md", table)
-    print(table)
+    write_results(args.out, report, markdown(report))
     if not args.no_plot and plot(report, args.out / "tau_per_category.png") is None:
         print("(no plot: matplotlib is not installed)")
     return 0

@@ -3,31 +3,23 @@ delta, the mixed round's rows equal to each request run alone, the results file 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_model
 
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.heads.delta import DELTA_DIR
 from selfspec.tree import DynamicTree
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "many_adapters.py"
-
 
 @pytest.fixture(scope="module")
 def many_adapters() -> ModuleType:
-    """The benchmark script imported as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("many_adapters", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["many_adapters"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("many_adapters")
 
 
 def _heads(model: torch.nn.Module) -> torch.nn.Module:

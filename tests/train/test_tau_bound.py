@@ -3,31 +3,24 @@ as the target does."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_models import make_lively_model
 
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.target_forward import TargetForward
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tau_bound.py"
 PROMPT = [5, 17, 42, 8, 63, 21]
 PARAMS = SamplingParams(temperature=1.0)
 
 
 @pytest.fixture(scope="module")
 def tau_bound() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tau_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tau_bound"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tau_bound")
 
 
 @pytest.fixture(scope="module")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_models import make_tiny_model, make_tiny_tokenizer
 from train_helpers import PROMPTS
 
@@ -19,19 +18,13 @@ from selfspec.drafting.context import ContextDrafts
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.tree import DynamicTree
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tau_heldout.py"
 CATEGORIES = ("mt", "translation", "summarization", "qa", "math", "rag")
 TREE = DynamicTree(top_k=3, depth=3, budget=9)
 
 
 @pytest.fixture(scope="module")
 def tau_heldout() -> ModuleType:
-    """The benchmark script imported as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("tau_heldout", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tau_heldout"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("tau_heldout")
 
 
 @pytest.fixture(scope="module")
