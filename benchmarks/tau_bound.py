@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.generation import eos_token_ids
@@ -92,7 +93,7 @@ class Trace:
 def _children(node: Node, index: int, width: int) -> list[Node]:
     """The ``width`` likeliest children of a scored node, as candidates."""
     assert node.probs is not None
-    values, tokens = torch.topk(node.probs, width)  # [width] each
+    values, tokens = torch.topk(node.probs, min(width, node.probs.shape[-1]))  # [width] each
     return [
         Node(token=t, parent=index, depth=node.depth + 1, log_prob=node.log_prob + math.log(v))
         for v, t in zip(values.tolist(), tokens.tolist(), strict=True)
@@ -102,7 +103,7 @@ def _children(node: Node, index: int, width: int) -> list[Node]:
 
 def best_tree(
     target: TargetForward,
-    cache: Any,
+    cache: DynamicCache,
     committed_len: int,
     root: int,
     params: SamplingParams,
@@ -139,7 +140,7 @@ def _ranked(nodes: Sequence[Node], budget: int) -> list[int]:
 
 def _score(
     target: TargetForward,
-    cache: Any,
+    cache: DynamicCache,
     committed_len: int,
     nodes: list[Node],
     pending: Sequence[int],
