@@ -127,7 +127,7 @@ def best_tree(
         chosen = _ranked(nodes, budget)
         pending = [i for i in chosen if nodes[i].slot < 0 and nodes[i].depth < depth]
     drop_uncommitted(cache, committed_len)
-    return BestTree(nodes=nodes, chosen=_ranked(nodes, budget), forwards=forwards, scored=scored)
+    return BestTree(nodes=nodes, chosen=chosen, forwards=forwards, scored=scored)
 
 
 def _ranked(nodes: Sequence[Node], budget: int) -> list[int]:
@@ -189,6 +189,15 @@ def walk(tree: BestTree, generator: torch.Generator) -> tuple[list[int], int | N
         node = child
 
 
+def prefill(target: TargetForward, prompt_ids: list[int]) -> tuple[DynamicCache, int]:
+    """A cache of every prompt token but the last (the first step's root), and its length."""
+    cache = target.new_cache()
+    prefix = torch.tensor([prompt_ids[:-1]])  # [1, S - 1]
+    with torch.inference_mode():
+        target.features(prefix, torch.arange(prefix.shape[1])[None], cache)
+    return cache, prefix.shape[1]
+
+
 def decode(
     target: TargetForward,
     prompt_ids: list[int],
@@ -202,12 +211,7 @@ def decode(
     """Sample up to ``max_new_tokens`` from the target, a speculative step at a time, recording
     the best tree's expected τ at every step."""
     generator = torch.Generator().manual_seed(seed)
-    cache = target.new_cache()
-    prompt = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        features = target.features(prompt[:, :-1], torch.arange(prompt.shape[1] - 1)[None], cache)
-    del features
-    committed_len = prompt.shape[1] - 1
+    cache, committed_len = prefill(target, prompt_ids)
     root = prompt_ids[-1]
     trace = Trace(expected={b: [] for b in REPORTED_BUDGETS if b <= budget})
     produced = 0

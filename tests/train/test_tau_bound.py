@@ -35,19 +35,11 @@ def _next_probs(target: TargetForward, sequences: torch.Tensor) -> torch.Tensor:
     return warp_probs(logits, PARAMS)
 
 
-def _prefilled(target: TargetForward) -> tuple[object, int]:
-    cache = target.new_cache()
-    prefix = torch.tensor([PROMPT[:-1]])
-    with torch.inference_mode():
-        target.features(prefix, torch.arange(prefix.shape[1])[None], cache)
-    return cache, prefix.shape[1]
-
-
 def test_best_tree_is_the_brute_force_optimum(tau_bound: ModuleType, target: TargetForward) -> None:
     """Every path of depth ≤ 2 enumerated: the search's chosen nodes are the top-budget path
     probabilities, form a tree, and leave the cache as it found it."""
     budget, depth = 7, 2
-    cache, committed = _prefilled(target)
+    cache, committed = tau_bound.prefill(target, PROMPT)
     tree = tau_bound.best_tree(target, cache, committed, PROMPT[-1], PARAMS, budget, depth)
     assert cache.get_seq_length() == committed
     root = _next_probs(target, torch.tensor([PROMPT]))[0]  # [vocab]
