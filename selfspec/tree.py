@@ -21,9 +21,14 @@ class DraftSampling(str, Enum):
     """The k most likely tokens, deterministically (EAGLE-2). Verified as point-mass proposals."""
     WITHOUT_REPLACEMENT = "without_replacement"
     """k tokens sampled from the draft without replacement (Gumbel top-k), as in Recursive
-    Speculative Decoding. Better acceptance when sampling at high temperature. A dynamic tree
-    that prunes sampled children keeps them for their values, so it falls back to the
-    point-mass rule (still exact, accepts less often)."""
+    Speculative Decoding: accepted with probability sum(min(p, q)) rather than p(token), so a
+    drafter close to the target accepts deep at high temperature, where no fixed token does.
+    A dynamic tree then scores a child by its rank's value (the rank-th largest draft
+    probability), never by the token it drew, so which nodes are kept never depends on their
+    own draws and the draws stay samples of their proposals. Where a node's survival does
+    depend on values that follow from its draw (an adaptive sizer choosing how many nodes to
+    keep, a batch's joint sizing), the tree falls back to the point-mass rule: still exact,
+    accepted less often."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,10 @@ class Tree:
     sampling: DraftSampling
     scores: torch.Tensor | None = None
     """# [T] cumulative draft log-probability of each node (root 0); None if not drafted."""
+    point_mass: torch.Tensor | None = None
+    """# [T] bool: in a sampled tree, the nodes that are not draws (chains grafted from the
+    context), verified as point-mass proposals after their parent's drawn children; None:
+    none."""
 
     @property
     def size(self) -> int:
@@ -160,9 +169,9 @@ class Tree:
 def prune(tree: Tree, count: int) -> Tree:
     """The root and the ``count`` best-scored drafted nodes of ``tree`` (ties: creation order),
     re-indexed; ``tree`` itself when it has no more. A kept node's parent is always kept (a
-    child never outscores its parent, and parents come first). A sampled tree that loses
-    nodes keeps them for their values, so it is verified with the point-mass rule (see
-    ``DraftSampling``); its draft distribution is dropped."""
+    child never outscores its parent, and parents come first). ``count`` is chosen from the
+    scores (a batch's joint sizing), so a sampled tree that loses nodes is verified with the
+    point-mass rule (see ``DraftSampling``); its draft distribution is dropped."""
     if tree.scores is None:
         raise ValueError("only a drafted tree (with scores) can be pruned")
     if count < 0:

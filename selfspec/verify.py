@@ -9,12 +9,15 @@ Definitions (one step, one tree):
 
 Greedy: the longest path whose every token equals the target's argmax at its parent.
 Sampling: recursive rejection sampling down the tree. At a node with target distribution p, the
-children are tried in draw order; child i was proposed by q_i (a point mass for top-k drafts; the
-draft distribution with the earlier draws removed and renormalised for draws without
-replacement). It is accepted with probability min(1, p(x)/q_i(x)); on rejection p becomes
-norm(max(p - q_i, 0)) and the next sibling is tried. Each level is an exact rejection sampler for
-the current residual whatever its proposal, so the committed token has exactly the target
-distribution. When every child is rejected, or the node is a leaf, the bonus is drawn from p.
+children are tried in tree order; child i was proposed by q_i (a point mass for top-k drafts and
+for chains grafted from the context; the draft distribution with the earlier draws removed and
+renormalised for draws without replacement). It is accepted with probability
+min(1, p(x)/q_i(x)); on rejection p becomes norm(max(p - q_i, 0)) and the next sibling is
+tried. Each level is an exact rejection sampler for the current residual whatever its proposal,
+provided child i was there before its own token was drawn (whether it exists may depend on its
+earlier siblings, never on itself or later ones: see ``DraftSampling``), so the committed token
+has exactly the target distribution. When every child is rejected, or the node is a leaf, the
+bonus is drawn from p.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def verify_sampling(
     target_probs = warp_probs(target_logits, params)  # [T, vocab]
     children = tree.children()
     tokens = tree.tokens.tolist()
+    point_mass = (
+        [True] * tree.size
+        if tree.sampling is DraftSampling.TOP_K
+        else (tree.point_mass.tolist() if tree.point_mass is not None else [False] * tree.size)
+    )
     ranks = tree.draw_ranks.tolist()
     rows = tree.expanded_row.tolist()
     uniforms = torch.rand(tree.size, generator=generator, device=target_logits.device).tolist()
@@ -73,7 +81,7 @@ def verify_sampling(
         next_node = None
         for child in children[node]:
             token = tokens[child]
-            if tree.sampling is DraftSampling.TOP_K:
+            if point_mass[child]:
                 proposal_prob = 1.0
                 proposal = None
             else:

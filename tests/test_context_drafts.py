@@ -105,24 +105,44 @@ def _drafted_tree() -> GrowingTree:
 def test_graft_shares_drafted_nodes_and_appends_the_rest() -> None:
     tree = _drafted_tree()
     chain = ContextChain(tokens=(10, 13, 14), scores=(-0.3, -0.6, -0.9))
-    assert graft_context(tree, [chain], depth=8)
+    graft_context(tree, [chain], depth=8)
     assert tree.tokens == [0, 10, 11, 12, 13, 14]
     assert tree.parents == [-1, 0, 0, 1, 1, 4]
     assert tree.depths == [0, 1, 1, 2, 2, 3]
     assert tree.ranks[4] == 1  # after node 3, the drafted child of node 1
     assert tree.scores == pytest.approx([0.0, -0.1, -2.0, -0.5, -0.6, -0.9])
+    assert tree.point_mass == [False, False, False, False, True, True]
     for node in range(1, tree.size):  # a child never outscores its parent
         assert tree.scores[node] <= tree.scores[tree.parents[node]]
+
+
+def test_graft_into_sampled_draws_follows_no_draw() -> None:
+    """A draw equal to the chain's token stays a draw with its own score; the chain is appended
+    after the drawn siblings, so whether it is there never depends on what they drew."""
+    tree = _drafted_tree()
+    chain = ContextChain(tokens=(10, 13), scores=(-0.05, -0.6))
+    graft_context(tree, [chain], depth=8, sampled=True)
+    assert tree.tokens == [0, 10, 11, 12, 10, 13]
+    assert tree.parents == [-1, 0, 0, 1, 0, 4]
+    assert tree.ranks[4] == 2  # after the root's two drawn children
+    assert tree.scores[1] == pytest.approx(-0.1)  # the draw keeps its own score
+    assert tree.point_mass == [False, False, False, False, True, True]
+    again = ContextChain(tokens=(10, 13, 15), scores=(-0.05, -0.6, -0.7))
+    graft_context(tree, [again], depth=8, sampled=True)  # follows the chain nodes only
+    assert tree.tokens == [0, 10, 11, 12, 10, 13, 15] and tree.parents[-1] == 5
 
 
 def test_graft_raises_the_score_of_shared_nodes_and_respects_the_depth_bound() -> None:
     tree = _drafted_tree()
     chain = ContextChain(tokens=(11, 15, 16), scores=(-0.2, -0.4, -0.6))
-    assert graft_context(tree, [chain], depth=2)
+    graft_context(tree, [chain], depth=2)
     assert tree.tokens == [0, 10, 11, 12, 15]  # 16 would be at depth 3
     assert tree.scores[2] == pytest.approx(-0.2)  # was -2.0 as the heads' draw
-    assert not graft_context(_drafted_tree(), [ContextChain((10, 12), (-1.0, -2.0))], depth=4)
-    assert not graft_context(_drafted_tree(), [], depth=4)
+    for chains in ([ContextChain((10, 12), (-1.0, -2.0))], []):  # all there already; none
+        unchanged = _drafted_tree()
+        graft_context(unchanged, chains, depth=4)
+        assert unchanged.tokens == _drafted_tree().tokens
+        assert unchanged.scores == _drafted_tree().scores
 
 
 def _uniform_expand(vocab: int):
@@ -144,9 +164,13 @@ def test_a_grafted_chain_competes_for_the_budget_and_makes_point_mass_proposals(
     )
     tree = grow_tree(0, _uniform_expand(vocab), sampled, torch.Generator().manual_seed(0))
     assert tree.size == 1 + spec.budget
-    # The chain (scores near 0) outranks every uniform draw (log 1/50 per depth).
-    assert tree.tokens[1:].tolist().count(40) == 1 and {41, 42} <= set(tree.tokens.tolist())
-    assert tree.sampling is DraftSampling.TOP_K and tree.draft_probs.shape[0] == 0
+    # The chain (scores near 0) outranks every uniform draw (log 1/50 per depth); the tree
+    # stays sampled, the chain's nodes marked as point masses after the drawn siblings.
+    assert tree.sampling is DraftSampling.WITHOUT_REPLACEMENT
+    assert tree.point_mass is not None
+    assert tree.tokens[tree.point_mass].tolist() == [40, 41, 42]
+    root_children = (tree.parents == 0).nonzero().squeeze(1).tolist()
+    assert tree.point_mass[root_children].tolist() == [False] * (len(root_children) - 1) + [True]
     plain = grow_tree(
         0, _uniform_expand(vocab), DraftPlan(tree=StaticTree.chain(2), context=(chain,)), None
     )

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from selfspec.drafting import grow
+from selfspec.drafting.context import ContextChain
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
@@ -92,11 +94,12 @@ def _run(
     verifier: Verifier = verify_sampling,
     draft_table: torch.Tensor = DRAFT_LOGITS,
     target_table: torch.Tensor = TARGET_LOGITS,
+    context: tuple[ContextChain, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, list[Verdict], list[Tree]]:
     """first # [V] counts of the first committed token; pairs # [V, V] counts of (first, second)
     over trials whose first token was an accepted draft."""
     generator = torch.Generator().manual_seed(seed)
-    plan = DraftPlan(tree=spec, sampling=sampling, params=params)
+    plan = DraftPlan(tree=spec, sampling=sampling, params=params, context=context)
     expand = _draft_expand(draft_table)
     first = torch.zeros(VOCAB, dtype=torch.long)
     pairs = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
@@ -209,7 +212,7 @@ CASES = [
         DRAFT_LOGITS,
         id="dyn-swor-unpruned",
     ),
-    # Budget 3 of 12 grown nodes: which sampled siblings survive depends on their own values.
+    # Budget 3 of 12 grown nodes, chosen by their ranks' values: still verified as draws.
     pytest.param(
         DynamicTree(top_k=3, depth=2, budget=3),
         DraftSampling.WITHOUT_REPLACEMENT,
@@ -217,14 +220,28 @@ CASES = [
         DRAFT_LOGITS,
         id="dyn-swor-pruned",
     ),
+    pytest.param(
+        DynamicTree(top_k=3, depth=3, budget=4),
+        DraftSampling.WITHOUT_REPLACEMENT,
+        T1,
+        PEAKY_DRAFT_LOGITS,
+        id="dyn-swor-pruned-peaky",
+    ),
 ]
+
+# A chain as the context proposes it: point masses grafted beside the draws. Token 0 is likely
+# under the target at the root (0.22) and seldom drawn (0.01), so the chain is both accepted
+# and rejected.
+CHAIN_OF_CONTEXT = (ContextChain(tokens=(0, 4, 1), scores=(-0.5, -1.0, -1.5)),)
 
 
 @pytest.mark.parametrize(("spec", "sampling", "params", "draft"), CASES)
 def test_committed_tokens_have_target_distribution(
     spec: TreeSpec, sampling: DraftSampling, params: SamplingParams, draft: torch.Tensor
 ) -> None:
-    first, pairs, verdicts, _ = _run(spec, sampling, params, draft_table=draft)
+    first, pairs, verdicts, trees = _run(spec, sampling, params, draft_table=draft)
+    if sampling is DraftSampling.WITHOUT_REPLACEMENT:  # verified as draws, not point masses
+        assert all(t.sampling is DraftSampling.WITHOUT_REPLACEMENT for t in trees)
     first_p, second_p = _fit(first, pairs, params)
     # The draft differs from the target, so both acceptance and rejection must happen, or the
     # test would not exercise the residuals.
@@ -232,6 +249,66 @@ def test_committed_tokens_have_target_distribution(
     assert 0 < accepted < len(verdicts)
     assert first_p > P_VALUE_FLOOR, f"first token: p = {first_p:.2e}"
     assert second_p > P_VALUE_FLOOR, f"second token given the first: p = {second_p:.2e}"
+
+
+@pytest.mark.parametrize(
+    "spec", [BRANCHING, DynamicTree(top_k=3, depth=3, budget=5)], ids=["static", "dynamic"]
+)
+def test_draws_and_grafted_chains_together_have_target_distribution(spec: TreeSpec) -> None:
+    """A sampled tree with a context chain: the chain's point masses are tried after the drawn
+    siblings, the draws with their proposals, and the committed tokens keep the target's law."""
+    first, pairs, verdicts, trees = _run(
+        spec, DraftSampling.WITHOUT_REPLACEMENT, T1, context=CHAIN_OF_CONTEXT
+    )
+    assert all(t.sampling is DraftSampling.WITHOUT_REPLACEMENT for t in trees)
+    on_chain = [
+        bool(t.point_mass[v.accepted[1]])
+        for t, v in zip(trees, verdicts, strict=True)
+        if len(v.accepted) > 1
+    ]
+    assert any(on_chain) and not all(on_chain)  # both kinds of node get accepted
+    first_p, second_p = _fit(first, pairs, T1)
+    assert first_p > P_VALUE_FLOOR, f"first token: p = {first_p:.2e}"
+    assert second_p > P_VALUE_FLOOR, f"second token given the first: p = {second_p:.2e}"
+
+
+def test_a_value_chosen_size_falls_back_to_point_masses() -> None:
+    """An adaptive sizer chooses how many nodes to keep from all their scores, which follow
+    from the draws: such a tree is verified with the point-mass rule."""
+    from selfspec.cost_curve import CostCurve
+    from selfspec.drafting.sizing import TreeSizer
+
+    sizer = TreeSizer(CostCurve(sizes=(1, 2, 8), seconds=(1.0, 1.0, 1.0)))
+    plan = DraftPlan(
+        tree=DynamicTree(top_k=3, depth=3, budget=8, adaptive=True),
+        sampling=DraftSampling.WITHOUT_REPLACEMENT,
+        params=T1,
+        sizer=sizer,
+    )
+    tree = grow_tree(ROOT, _draft_expand(DRAFT_LOGITS), plan, torch.Generator().manual_seed(0))
+    assert tree.size > 1 and tree.sampling is DraftSampling.TOP_K
+
+
+def test_negative_control_draws_kept_for_their_own_values_fail_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scored by the token each drew (not its rank), a budget keeps the draws that drew well:
+    verified as draws of their proposals, the committed tokens leave the target's law. This is
+    why sampled children are scored by rank."""
+    real = grow.draw_children
+
+    def scored_by_own_token(logits, k, plan, generator):
+        tokens, _, probs = real(logits, k, plan, generator)
+        own = torch.log_softmax(logits.float(), -1).gather(-1, tokens.clamp(min=0))
+        return tokens, torch.where(tokens >= 0, own, float("-inf")), probs
+
+    monkeypatch.setattr(grow, "draw_children", scored_by_own_token)
+    spec = DynamicTree(top_k=3, depth=2, budget=2)
+    first, pairs, _, trees = _run(
+        spec, DraftSampling.WITHOUT_REPLACEMENT, T1, draft_table=PEAKY_DRAFT_LOGITS
+    )
+    assert all(t.sampling is DraftSampling.WITHOUT_REPLACEMENT for t in trees)
+    assert min(_fit(first, pairs, T1)) < P_VALUE_FLOOR
 
 
 @pytest.mark.parametrize("sampling", list(DraftSampling))

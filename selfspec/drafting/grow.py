@@ -55,6 +55,8 @@ class GrowingTree:
     ranks: list[int] = field(default_factory=lambda: [0])
     scores: list[float] = field(default_factory=lambda: [0.0])
     expanded_row: list[int] = field(default_factory=lambda: [-1])
+    point_mass: list[bool] = field(default_factory=lambda: [False])
+    """Per node: not a draw of the heads (a grafted context chain's node)."""
     prob_rows: list[torch.Tensor] = field(default_factory=list)  # each [N]
     draw_rows: list[torch.Tensor] = field(default_factory=list)  # each [k] token ids
 
@@ -62,8 +64,11 @@ class GrowingTree:
     def size(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, rank: int, logprob: float) -> int:
+    def add(
+        self, parent: int, token: int, rank: int, logprob: float, point_mass: bool = False
+    ) -> int:
         self.tokens.append(token)
+        self.point_mass.append(point_mass)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.ranks.append(rank)
@@ -82,7 +87,11 @@ def draw_children(
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k children per row: indices into the N columns # [F, k] (-1 where none could be drawn),
-    their draft log-probs # [F, k] for scoring, and the distribution drawn from # [F, N]."""
+    their scores' log-values # [F, k], and the distribution drawn from # [F, N].
+
+    A top-k child's value is its draft log-prob. A sampled child's value is its rank's (the
+    rank-th largest log-prob of the distribution drawn from), not its token's: the tree's
+    choices then never depend on what a node drew (see ``DraftSampling``)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, logits.shape[-1])
     if plan.sampling is DraftSampling.TOP_K or plan.params.greedy:
@@ -93,7 +102,8 @@ def draw_children(
     gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
     perturbed, tokens = torch.topk(probs.log() + gumbel, k, dim=-1)  # Gumbel top-k
     tokens = torch.where(torch.isfinite(perturbed), tokens, -1)  # ran out of support
-    return tokens, logprobs.gather(-1, tokens.clamp(min=0)), probs
+    rank_values = torch.topk(probs, k, dim=-1).values.log()  # [F, k] non-increasing
+    return tokens, rank_values, probs
 
 
 def _record_children(
@@ -199,16 +209,19 @@ def _grow_dynamic(
             tree.scores[1:], [tree.scores[n] for n in frontier], clock(), depth, spec
         ):
             break
-    grafted = graft_context(tree, plan.context, spec.depth)
+    graft_context(tree, plan.context, spec.depth, _samples(plan))
     # Keep the best drafted nodes. A child never outscores its parent (log-probs <= 0) and ties
-    # keep creation order, so every kept node's parent is kept too.
+    # keep creation order, so every kept node's parent is kept too. With a fixed budget the
+    # kept set follows from the scores of nodes ranked above each one, none of which depend on
+    # its own draw; a sizer's count follows from every score.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
     budget = spec.budget
-    if sizer is not None and not plan.defer_keep:
+    sized = sizer is not None and not plan.defer_keep
+    if sized:
         scores = [tree.scores[n] for n in ranked[:budget]]
         budget = sizer.keep(scores, clock())
     keep = [0, *sorted(ranked[:budget])]
-    return _finish(tree, keep, plan, projection, pruned=grafted or len(keep) < tree.size)
+    return _finish(tree, keep, plan, projection, chosen_by_value=sized)
 
 
 def _grow_static(
@@ -239,8 +252,8 @@ def _grow_static(
                 node_of[prefix] = tree.add(
                     node_of[prefix[:-1]], tokens[row][rank], rank, logprobs[row][rank]
                 )
-    grafted = graft_context(tree, plan.context, spec.depth)
-    return _finish(tree, list(range(tree.size)), plan, projection, pruned=grafted)
+    graft_context(tree, plan.context, spec.depth, _samples(plan))
+    return _finish(tree, list(range(tree.size)), plan, projection)
 
 
 def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree:
@@ -256,40 +269,48 @@ def context_tree(root_token: int, plan: DraftPlan, device: torch.device) -> Tree
     if plan.sizer is not None and getattr(plan.tree, "adaptive", False) and not plan.defer_keep:
         size = plan.sizer.keep([tree.scores[n] for n in ranked[:size]], 0.0)
     keep = [0, *sorted(ranked[:size])]
-    return _finish(tree, keep, plan, None, pruned=True, device=device)
+    return _finish(tree, keep, plan, None, device=device)
 
 
-def graft_context(tree: GrowingTree, chains: Sequence[ContextChain], depth: int) -> bool:
+def _samples(plan: DraftPlan) -> bool:
+    """Whether ``plan`` draws children by sampling (else top-k)."""
+    return plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy
+
+
+def graft_context(
+    tree: GrowingTree, chains: Sequence[ContextChain], depth: int, sampled: bool = False
+) -> None:
     """Add each chain's first ``depth`` tokens (the tree's depth bound) below the root,
     following nodes already there with the same tokens and appending the rest after their
-    siblings; a node on a chain scores the best of its estimates. Every kind of score falls
-    along a path, so a child still never outscores its parent. Returns whether nodes were added
-    (they are point-mass proposals, outside any draw)."""
-    added = False
+    siblings, as point-mass proposals; a node on a chain scores the best of its estimates.
+    Every kind of score falls along a path, so a child still never outscores its parent.
+
+    ``sampled``: the heads' nodes are draws, and a chain follows none of them: a draw that
+    happened to equal a chain's token would then be scored (and kept) for what it drew, and it
+    would no longer be a sample of its proposal. The chains stay apart, tried after the drawn
+    siblings, and never depend on a draw."""
     for chain in chains:
-        added = _graft_chain(tree, chain, depth) or added
-    return added
+        _graft_chain(tree, chain, depth, sampled)
 
 
-def _graft_chain(tree: GrowingTree, chain: ContextChain, depth: int) -> bool:
+def _graft_chain(tree: GrowingTree, chain: ContextChain, depth: int, sampled: bool) -> None:
     child_of: dict[tuple[int, int], int] = {}
     children = [0] * tree.size
     for node in range(1, tree.size):
-        child_of.setdefault((tree.parents[node], tree.tokens[node]), node)
+        if tree.point_mass[node] or not sampled:
+            child_of.setdefault((tree.parents[node], tree.tokens[node]), node)
         children[tree.parents[node]] += 1
-    node, added = 0, False
+    node = 0
     for token, score in zip(chain.tokens[:depth], chain.scores[:depth], strict=True):
         child = child_of.get((node, token))
         if child is None:
-            child = tree.add(node, token, children[node], 0.0)
+            child = tree.add(node, token, children[node], 0.0, point_mass=True)
             children[node] += 1
             children.append(0)
             tree.scores[child] = score
-            added = True
         else:
             tree.scores[child] = max(tree.scores[child], score)
         node = child
-    return added
 
 
 def _finish(
@@ -297,15 +318,15 @@ def _finish(
     keep: list[int],
     plan: DraftPlan,
     projection: DraftProjection | None,
-    pruned: bool = False,
+    chosen_by_value: bool = False,
     device: torch.device | None = None,
 ) -> Tree:
     """Freeze the kept nodes (ascending creation order) into tensors, re-indexing parents.
 
-    A sampled child that survived pruning was kept *because of its value*, so it is no longer
-    a draw from the without-replacement proposal (nor is a grafted context chain); such trees
-    are verified with the point-mass rule, which is exact for any candidates chosen without the
-    target's randomness.
+    ``chosen_by_value``: how many nodes to keep was chosen from every node's score, so a
+    sampled child may have been kept *because of what it drew* and is no longer a sample of its
+    without-replacement proposal; such trees are verified with the point-mass rule, which is
+    exact for any candidates chosen without the target's randomness.
     """
     new_index = {old: new for new, old in enumerate(keep)}
     if device is None:
@@ -319,9 +340,7 @@ def _finish(
     draws = torch.full((max(len(tree.draw_rows), 1), width), -1, dtype=torch.long, device=device)
     for i, row in enumerate(tree.draw_rows):
         draws[i, : row.shape[0]] = row
-    sampled = (
-        plan.sampling is DraftSampling.WITHOUT_REPLACEMENT and not plan.params.greedy and not pruned
-    )
+    sampled = _samples(plan) and not chosen_by_value and bool(tree.prob_rows)
     # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
     if sampled and tree.prob_rows:
         probs = torch.stack(tree.prob_rows)  # [E, N]
@@ -342,4 +361,9 @@ def _finish(
         draws=draws,
         sampling=DraftSampling.WITHOUT_REPLACEMENT if sampled else DraftSampling.TOP_K,
         scores=torch.tensor([tree.scores[n] for n in keep], device=device),
+        point_mass=(
+            torch.tensor([tree.point_mass[n] for n in keep], dtype=torch.bool, device=device)
+            if sampled
+            else None
+        ),
     )
