@@ -44,7 +44,11 @@ class GenerateArgs(DraftOptions, TargetOptions):
         },
     )
     draft_sampling: DraftSampling = field(
-        default=DraftSampling.TOP_K, metadata={"help": "how children are drawn when sampling"}
+        default=DraftSampling.AUTO,
+        metadata={
+            "help": "how children are drawn when sampling: auto (without_replacement on a fixed "
+            "tree, top_k on an adaptive one) | top_k | without_replacement"
+        },
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})
     speculation_gate: bool = field(

@@ -68,7 +68,8 @@ class GenerationConfig:
     """False: vanilla decoding through the same loop (needs no heads)."""
     tree: TreeSpec | None = None
     """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
-    draft_sampling: DraftSampling = DraftSampling.TOP_K
+    draft_sampling: DraftSampling = DraftSampling.AUTO
+    """How children are drawn when sampling (``DraftSampling``; greedy ignores it)."""
     context_drafts: ContextDrafts | None = ContextDrafts()
     """Also graft chains into each tree: one copied from the request's own context (prompt and
     output so far), one retrieved from the generator's draft corpus where it has one

@@ -29,6 +29,10 @@ class DraftSampling(str, Enum):
     depend on values that follow from its draw (an adaptive sizer choosing how many nodes to
     keep, a batch's joint sizing), the tree falls back to the point-mass rule: still exact,
     accepted less often."""
+    AUTO = "auto"
+    """Draws without replacement where the tree keeps them samples of their proposals (a
+    static tree, a fixed-budget dynamic tree), the top k where an adaptive sizer would turn
+    them into point masses anyway (``resolve_draft_sampling``)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,18 @@ class DynamicTree:
 
 
 TreeSpec = StaticTree | DynamicTree
+
+def resolve_draft_sampling(sampling: DraftSampling, tree: TreeSpec) -> DraftSampling:
+    """``sampling`` with AUTO replaced by the choice for ``tree``: sampled draws accept more at
+    temperature > 0 (``tau_heldout.py``: T=1, fixed (10, 7, 60) tree), but an adaptive tree
+    sizes itself from its draws' scores and verifies them as point masses, where the top k
+    accept more."""
+    if sampling is not DraftSampling.AUTO:
+        return sampling
+    if isinstance(tree, DynamicTree) and tree.adaptive:
+        return DraftSampling.TOP_K
+    return DraftSampling.WITHOUT_REPLACEMENT
+
 
 ADAPTIVE_TREE = DynamicTree(top_k=8, depth=6, budget=48, adaptive=True)
 """The adaptive tree's bounds: wide and deep enough that the cost curve, not the bounds, decides."""

@@ -20,7 +20,7 @@ import selfspec.verify as verify_module
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.sampling import SamplingParams
-from selfspec.tree import DraftSampling, StaticTree
+from selfspec.tree import DraftSampling, DynamicTree, StaticTree, TreeSpec
 
 VOCAB = 4
 NEW_TOKENS = 3
@@ -62,7 +62,7 @@ def _exact_distribution(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _empirical(
-    generator: SpeculativeGenerator, tree: StaticTree, sampling: DraftSampling
+    generator: SpeculativeGenerator, tree: TreeSpec, sampling: DraftSampling
 ) -> torch.Tensor:
     counts = torch.zeros(VOCAB**NEW_TOKENS)
     for seed in range(SAMPLES):
@@ -110,6 +110,8 @@ CASES = [
     ("medusa", StaticTree.chain(2), DraftSampling.TOP_K),
     ("eagle", StaticTree.full((2, 2)), DraftSampling.TOP_K),
     ("eagle", StaticTree.full((3, 1)), DraftSampling.WITHOUT_REPLACEMENT),
+    # 4 of 9 drafted nodes kept by their ranks' values; verified as draws (auto: sampled here).
+    ("eagle", DynamicTree(top_k=3, depth=2, budget=4), DraftSampling.AUTO),
 ]
 
 

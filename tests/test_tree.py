@@ -18,11 +18,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from selfspec.drafting.grow import DraftPlan, grow_tree
 from selfspec.target_forward import TargetForward
 from selfspec.tree import (
+    ADAPTIVE_TREE,
     DEFAULT_STATIC_TREE,
     DraftSampling,
     DynamicTree,
     StaticTree,
     prune,
+    resolve_draft_sampling,
     tree_buffers,
 )
 
@@ -213,3 +215,13 @@ def test_prune_keeps_the_best_scored_nodes_with_their_parents() -> None:
         prune(sampled, -1)
     with pytest.raises(ValueError, match="scores"):
         prune(replace(sampled, scores=None), 2)
+
+
+def test_auto_draft_sampling_samples_unless_an_adaptive_sizer_chooses_the_nodes() -> None:
+    auto = DraftSampling.AUTO
+    sampled = DraftSampling.WITHOUT_REPLACEMENT
+    assert resolve_draft_sampling(auto, StaticTree.chain(3)) is sampled
+    assert resolve_draft_sampling(auto, DynamicTree(10, 7, 60)) is sampled
+    assert resolve_draft_sampling(auto, ADAPTIVE_TREE) is DraftSampling.TOP_K
+    for explicit in (DraftSampling.TOP_K, sampled):  # an explicit choice stands
+        assert resolve_draft_sampling(explicit, ADAPTIVE_TREE) is explicit

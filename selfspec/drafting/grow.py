@@ -23,7 +23,14 @@ from selfspec.drafting.context import ContextChain
 from selfspec.drafting.projection import DraftProjection
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.sampling import SamplingParams, warp_probs
-from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
+from selfspec.tree import (
+    DraftSampling,
+    DynamicTree,
+    StaticTree,
+    Tree,
+    TreeSpec,
+    resolve_draft_sampling,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,9 @@ class DraftPlan:
     """Chains from the request's context and the draft corpus (``selfspec.drafting.context``),
     grafted into the grown tree before its nodes are chosen, so they compete with the heads'
     nodes by score."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampling", resolve_draft_sampling(self.sampling, self.tree))
 
 
 @dataclass
