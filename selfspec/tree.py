@@ -99,6 +99,7 @@ class DynamicTree:
 
 TreeSpec = StaticTree | DynamicTree
 
+
 def resolve_draft_sampling(sampling: DraftSampling, tree: TreeSpec) -> DraftSampling:
     """``sampling`` with AUTO replaced by the choice for ``tree``: sampled draws accept more at
     temperature > 0 (``tau_heldout.py``: T=1, fixed (10, 7, 60) tree), but an adaptive tree
