@@ -1,16 +1,21 @@
-"""The most τ any drafter can reach with a given tree budget when sampling: the target as its own
-drafter, on the held-out benchmark prompts.
+"""The most τ a tree of fixed tokens can reach with a given budget when sampling: the target as
+its own drafter, on the held-out benchmark prompts.
 
     .venv/bin/python benchmarks/tau_bound.py --limit 2 --out runs/tau_bound
 
-Why: with lossless sampling the committed tokens are distributed as the target's own samples
-(recursive rejection sampling, any proposal), and a step commits a drafted node only when the
-target's sample follows the node's path. So a tree's expected τ is
+Why: with lossless sampling the committed tokens are distributed as the target's own samples.
+When the tree's tokens are fixed before the target's randomness is drawn (point-mass proposals:
+top-k drafts, context chains; EAGLE-2/3's verification), a step commits a drafted node only
+when the target's sample follows the node's path. So such a tree's expected τ is
 
     E[τ] = 1 + Σ_{drafted nodes n} P_target(path to n)
 
-(the target's probabilities at temperature T, multiplied along the path), and no drafter, however
-good, beats the tree that holds the nodes of highest path probability. This script finds that
+(the target's probabilities at temperature T, multiplied along the path), and no drafter of
+fixed tokens, however good, beats the tree that holds the nodes of highest path probability.
+Sampled drafts (``DraftSampling.WITHOUT_REPLACEMENT``) are not bound by it: their tokens are
+random, and rejection sampling couples them with the target's sample, so a node is accepted
+with probability Σ min(p, q) rather than p(token); a drafter equal to the target accepts a
+sampled chain to its end (τ = depth + 1). This script finds that
 tree at every step, exactly: a best-first search whose candidates are the children of nodes the
 target has already scored, each round scoring the newly chosen nodes in one target forward over
 the committed cache plus the nodes scored before (tree attention), until the best ``budget``

@@ -178,6 +178,8 @@ class RequestState:
     overhead_seconds: float = 0.0
     """Moving average of a step's work after its forward (verdict, KV commit, head advance),
     for tree sizing."""
+    drafting_seconds: float = 0.0
+    """Moving average of the drafting time of this request's drafted steps, for tree sizing."""
     taps: LayerTaps | None = None
     """The target layers this request's drafter reads besides the last hidden state (EAGLE-3),
     tapped during every forward of the request; None for Medusa and EAGLE."""
@@ -528,6 +530,7 @@ class SpeculativeGenerator:
             sizing = plan
             if plan is not None:
                 tree = next(drafted_trees)
+                step.state.drafting_seconds = _moving_average(step.state.drafting_seconds, drafting)
             elif chain:  # the heads rest, the context chains are still offered (alone)
                 sizing = self._plan(step, batch_size, chain)
                 tree = context_tree(step.state.root_token, sizing, self.target.device)
@@ -560,6 +563,7 @@ class SpeculativeGenerator:
                 state.cost_scale,
                 batch_size,
                 state.overhead_seconds,
+                state.drafting_seconds,
             )
             if self.cost_curve is not None
             else None

@@ -26,13 +26,14 @@ class DraftSampling(str, Enum):
     A dynamic tree then scores a child by its rank's value (the rank-th largest draft
     probability), never by the token it drew, so which nodes are kept never depends on their
     own draws and the draws stay samples of their proposals. Where a node's survival does
-    depend on values that follow from its draw (an adaptive sizer choosing how many nodes to
-    keep, a batch's joint sizing), the tree falls back to the point-mass rule: still exact,
-    accepted less often."""
+    depend on values that follow from its draw (the best count of an adaptive sizer's
+    ``keep``, a batch's joint sizing), the tree falls back to the point-mass rule: still exact,
+    accepted less often; an adaptive tree of sampled draws is therefore sized by a stopping rule
+    (``TreeSizer.keep_as_drawn``)."""
     AUTO = "auto"
-    """Draws without replacement where the tree keeps them samples of their proposals (a
-    static tree, a fixed-budget dynamic tree), the top k where an adaptive sizer would turn
-    them into point masses anyway (``resolve_draft_sampling``)."""
+    """Draws without replacement where the tree keeps them samples of their proposals (static
+    trees, dynamic trees of a fixed budget or sized alone), the top k where a batch's joint
+    sizing would turn them into point masses anyway (``resolve_draft_sampling``)."""
 
 
 @dataclass(frozen=True)
@@ -100,14 +101,16 @@ class DynamicTree:
 TreeSpec = StaticTree | DynamicTree
 
 
-def resolve_draft_sampling(sampling: DraftSampling, tree: TreeSpec) -> DraftSampling:
+def resolve_draft_sampling(
+    sampling: DraftSampling, tree: TreeSpec, joint_sizing: bool = False
+) -> DraftSampling:
     """``sampling`` with AUTO replaced by the choice for ``tree``: sampled draws accept more at
-    temperature > 0 (``tau_heldout.py``: T=1, fixed (10, 7, 60) tree), but an adaptive tree
-    sizes itself from its draws' scores and verifies them as point masses, where the top k
-    accept more."""
+    temperature > 0 (``tau_heldout.py``: T=1, fixed (10, 7, 60) tree), but a tree sized jointly
+    with a batch's others (``joint_sizing``: an adaptive tree in the server's batch) is sized
+    from every draw's score and verifies them as point masses, where the top k accept more."""
     if sampling is not DraftSampling.AUTO:
         return sampling
-    if isinstance(tree, DynamicTree) and tree.adaptive:
+    if joint_sizing and isinstance(tree, DynamicTree) and tree.adaptive:
         return DraftSampling.TOP_K
     return DraftSampling.WITHOUT_REPLACEMENT
 

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import make_tiny_model
 
 import selfspec.cost_curve as cost_curve_module
@@ -102,6 +103,35 @@ def test_sizer_keeps_nodes_while_they_pay_for_their_verification() -> None:
     # A draft known to be 10x over-confident is not worth verifying at all: plain decoding.
     assert TreeSizer(curve, calibration=0.1).keep(scores, 0.0) == 0
     assert sizer.keep([], 0.0) == 0
+
+
+def test_keep_as_drawn_decides_each_node_from_the_scores_at_and_above_it() -> None:
+    """The stopping rule for sampled draws: node i's fate never depends on a later score, and
+    it keeps at least the best count ``keep`` finds (its optimism may keep a little more)."""
+    linear = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
+    # Flat from 2 to 8 tokens, as on CPUs whose small forwards cost the same: a dip at 2
+    # tokens that only larger trees recover.
+    stepped = CostCurve(sizes=(1, 2, 8, 16), seconds=(0.010, 0.016, 0.017, 0.030))
+    generator = torch.Generator().manual_seed(0)
+    for curve in (linear, stepped):
+        for calibration in (0.3, 1.0):
+            sizer = TreeSizer(curve, calibration=calibration, drafting_seconds=0.004)
+            for _ in range(50):
+                probs = torch.rand(12, generator=generator).sort(descending=True).values
+                scores = _log(probs.tolist())
+                kept = sizer.keep_as_drawn(scores, horizon=12)
+                assert kept >= sizer.keep(scores, drafting_seconds=0.004)
+                # Any later scores (still best first): the first `kept` stay kept, and the
+                # node after them is dropped all the same.
+                later = (probs[min(kept, 11)] * torch.rand(12, generator=generator)).tolist()
+                changed = scores[: kept + 1] + _log(sorted(later, reverse=True))[kept + 1 :]
+                assert sizer.keep_as_drawn(changed, horizon=12) == kept
+    # On the stepped curve a lone confident node does not pay (1.9 tokens for 1.6x a step),
+    # four of them do (4.4 tokens for 1.7x): the stopping rule keeps going past the dip.
+    scores = _log([0.9, 0.9, 0.9, 0.7])
+    assert TreeSizer(stepped).keep_as_drawn(scores, horizon=7) == 4
+    with pytest.raises(ValueError, match="drafting_seconds"):
+        TreeSizer(linear, drafting_seconds=-1.0)
 
 
 def test_sizer_prices_the_steps_fixed_work_into_every_tree() -> None:

@@ -30,9 +30,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from selfspec.cost_curve import CostCurve
 from selfspec.drafting import grow
 from selfspec.drafting.context import ContextChain
 from selfspec.drafting.grow import DraftPlan, GrowingTree, grow_tree
+from selfspec.drafting.sizing import TreeSizer
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
 from selfspec.verify import Verdict, verify_sampling
@@ -56,6 +58,8 @@ T1 = SamplingParams(temperature=1.0)
 TOPK = SamplingParams(temperature=0.7, top_k=3)
 TOPP = SamplingParams(temperature=1.3, top_p=0.8)
 WARPED = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+SAMPLED = DraftSampling.WITHOUT_REPLACEMENT
+TOPK_DRAWS = DraftSampling.TOP_K
 CHAIN = StaticTree.chain(3)
 BRANCHING = StaticTree.full((3, 2))
 
@@ -220,13 +224,7 @@ CASES = [
         DRAFT_LOGITS,
         id="dyn-swor-pruned",
     ),
-    pytest.param(
-        DynamicTree(top_k=3, depth=3, budget=4),
-        DraftSampling.WITHOUT_REPLACEMENT,
-        T1,
-        PEAKY_DRAFT_LOGITS,
-        id="dyn-swor-pruned-peaky",
-    ),
+    pytest.param(DynamicTree(3, 3, 4), SAMPLED, T1, PEAKY_DRAFT_LOGITS, id="dyn-swor-pruned-peaky"),
 ]
 
 # A chain as the context proposes it: point masses grafted beside the draws. Token 0 is likely
@@ -272,21 +270,31 @@ def test_draws_and_grafted_chains_together_have_target_distribution(spec: TreeSp
     assert second_p > P_VALUE_FLOOR, f"second token given the first: p = {second_p:.2e}"
 
 
-def test_a_value_chosen_size_falls_back_to_point_masses() -> None:
-    """An adaptive sizer chooses how many nodes to keep from all their scores, which follow
-    from the draws: such a tree is verified with the point-mass rule."""
-    from selfspec.cost_curve import CostCurve
-    from selfspec.drafting.sizing import TreeSizer
-
-    sizer = TreeSizer(CostCurve(sizes=(1, 2, 8), seconds=(1.0, 1.0, 1.0)))
-    plan = DraftPlan(
-        tree=DynamicTree(top_k=3, depth=3, budget=8, adaptive=True),
-        sampling=DraftSampling.WITHOUT_REPLACEMENT,
-        params=T1,
-        sizer=sizer,
-    )
-    tree = grow_tree(ROOT, _draft_expand(DRAFT_LOGITS), plan, torch.Generator().manual_seed(0))
-    assert tree.size > 1 and tree.sampling is DraftSampling.TOP_K
+@pytest.mark.parametrize("sampling", [SAMPLED, TOPK_DRAWS])
+def test_adaptive_trees_have_target_distribution(sampling: DraftSampling) -> None:
+    """An adaptive tree sized per step: sampled draws by the sizer's stopping rule (verified as
+    draws), top-k drafts by its best count (point masses). On this cost curve the sizer keeps
+    2-4 of the sampled tree's grown nodes, as their scores say."""
+    sizer = TreeSizer(CostCurve(sizes=(1, 2, 8), seconds=(1.0, 1.1, 1.6)))
+    spec = DynamicTree(top_k=3, depth=3, budget=8, adaptive=True)
+    generator = torch.Generator().manual_seed(0)
+    plan = DraftPlan(tree=spec, sampling=sampling, params=T1, sizer=sizer)
+    first = torch.zeros(VOCAB, dtype=torch.long)
+    pairs = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
+    sizes = set()
+    for _ in range(TRIALS):
+        tree = grow_tree(ROOT, _draft_expand(DRAFT_LOGITS), plan, generator)
+        assert tree.sampling is sampling
+        sizes.add(tree.size)
+        verdict = verify_sampling(tree, _target_logits(tree), T1, generator)
+        committed = [*tree.tokens[verdict.accepted[1:]].tolist(), verdict.bonus]
+        first[committed[0]] += 1
+        if len(committed) > 1:
+            pairs[committed[0], committed[1]] += 1
+    assert len(sizes) > 1 or sampling is TOPK_DRAWS  # top-k drafts: one tree, one count
+    first_p, second_p = _fit(first, pairs, T1)
+    assert first_p > P_VALUE_FLOOR, f"first token: p = {first_p:.2e}"
+    assert second_p > P_VALUE_FLOOR, f"second token given the first: p = {second_p:.2e}"
 
 
 def test_negative_control_draws_kept_for_their_own_values_fail_the_check(

@@ -217,11 +217,14 @@ def test_prune_keeps_the_best_scored_nodes_with_their_parents() -> None:
         prune(replace(sampled, scores=None), 2)
 
 
-def test_auto_draft_sampling_samples_unless_an_adaptive_sizer_chooses_the_nodes() -> None:
+def test_auto_draft_sampling_samples_unless_a_batch_sizes_the_tree() -> None:
     auto = DraftSampling.AUTO
     sampled = DraftSampling.WITHOUT_REPLACEMENT
     assert resolve_draft_sampling(auto, StaticTree.chain(3)) is sampled
     assert resolve_draft_sampling(auto, DynamicTree(10, 7, 60)) is sampled
-    assert resolve_draft_sampling(auto, ADAPTIVE_TREE) is DraftSampling.TOP_K
+    assert resolve_draft_sampling(auto, ADAPTIVE_TREE) is sampled  # sized by a stopping rule
+    # Sized jointly with a batch's trees: point masses anyway, so the top k.
+    assert resolve_draft_sampling(auto, ADAPTIVE_TREE, joint_sizing=True) is DraftSampling.TOP_K
+    assert resolve_draft_sampling(auto, DynamicTree(10, 7, 60), joint_sizing=True) is sampled
     for explicit in (DraftSampling.TOP_K, sampled):  # an explicit choice stands
-        assert resolve_draft_sampling(explicit, ADAPTIVE_TREE) is explicit
+        assert resolve_draft_sampling(explicit, ADAPTIVE_TREE, joint_sizing=True) is explicit

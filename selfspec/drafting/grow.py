@@ -52,7 +52,8 @@ class DraftPlan:
     nodes by score."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sampling", resolve_draft_sampling(self.sampling, self.tree))
+        sampling = resolve_draft_sampling(self.sampling, self.tree, self.defer_keep)
+        object.__setattr__(self, "sampling", sampling)
 
 
 @dataclass
@@ -221,17 +222,21 @@ def _grow_dynamic(
             break
     graft_context(tree, plan.context, spec.depth, _samples(plan))
     # Keep the best drafted nodes. A child never outscores its parent (log-probs <= 0) and ties
-    # keep creation order, so every kept node's parent is kept too. With a fixed budget the
-    # kept set follows from the scores of nodes ranked above each one, none of which depend on
-    # its own draw; a sizer's count follows from every score.
+    # keep creation order, so every kept node's parent is kept too. With a fixed budget, or a
+    # sizer's stopping rule for sampled draws, whether a node is kept follows from the scores
+    # ranked at or above it, none of which depend on its own draw; ``keep``'s best count
+    # follows from every score.
     ranked = sorted(range(1, tree.size), key=lambda n: -tree.scores[n])
     budget = spec.budget
-    sized = sizer is not None and not plan.defer_keep
-    if sized:
+    chosen_by_value = False
+    if sizer is not None and not plan.defer_keep:
         scores = [tree.scores[n] for n in ranked[:budget]]
-        budget = sizer.keep(scores, clock())
+        if _samples(plan):
+            budget = sizer.keep_as_drawn(scores, spec.budget)
+        else:
+            budget, chosen_by_value = sizer.keep(scores, clock()), True
     keep = [0, *sorted(ranked[:budget])]
-    return _finish(tree, keep, plan, projection, chosen_by_value=sized)
+    return _finish(tree, keep, plan, projection, chosen_by_value)
 
 
 def _grow_static(

@@ -10,10 +10,14 @@ and the step's fixed work after it (verdict, KV commit, head advance), measured 
 left out, that fixed cost would make every tree look dearer per token than it is.
 
 ``keep`` picks the number of best-scored nodes that maximises expected tokens per second (zero
-nodes is plain decoding); ``grow_deeper`` drafts another depth only if what it could add (at most
-the frontier's probability mass) is worth its time at the rate already reachable. EAGLE-2 takes a
-fixed size from a short list tuned by timing; this chooses per step, from this machine's curve,
-and prices a tree by its share of the batch's forward when requests are verified together.
+nodes is plain decoding). That count follows from every node's score, so a sampled draw could
+be kept for what it drew (its descendants' scores follow from it); ``keep_as_drawn`` decides
+node by node instead, from the scores ranked at or above each, and keeps sampled draws samples
+of their proposals (``DraftSampling``). ``grow_deeper`` drafts another depth only if what it
+could add (at most the frontier's probability mass) is worth its time at the rate already
+reachable. EAGLE-2 takes a fixed size from a short list tuned by timing; this chooses per step,
+from this machine's curve, and prices a tree by its share of the batch's forward when requests
+are verified together.
 
 When requests are verified together their trees are padded to the largest, so the forward costs
 B x the largest tree whatever the others keep. ``joint_keep`` therefore sizes a batch's trees
@@ -46,12 +50,17 @@ class TreeSizer:
     """Requests whose trees share this step's verification forward (the server's batch)."""
     overhead_seconds: float = 0.0
     """A step's work besides drafting and the verification forward, whatever the tree's size."""
+    drafting_seconds: float = 0.0
+    """This request's drafting time per step so far (a moving average over the steps before
+    this one): what ``keep_as_drawn`` prices drafting at, since this step's own drafting time
+    follows from how deep its draws led the tree."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if not self.overhead_seconds >= 0.0:
-            raise ValueError(f"overhead_seconds must be >= 0, got {self.overhead_seconds}")
+        for name in ("overhead_seconds", "drafting_seconds"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def verify_seconds(self, size: int) -> float:
         """This request's share of a verification forward when its tree has ``size`` tokens.
@@ -67,6 +76,28 @@ class TreeSizer:
     def keep(self, scores: list[float], drafting_seconds: float) -> int:
         """How many of the nodes to verify. scores: cumulative draft log-probs, best first."""
         return self._best(scores, drafting_seconds)[0]
+
+    def keep_as_drawn(self, scores: list[float], horizon: int) -> int:
+        """How many of the nodes to verify, as a stopping rule: node i is kept while some tree
+        of i..``horizon`` nodes could still beat the best rate so far if every node after it
+        were as likely as it (scores are best first, so none is likelier). Whether node i is
+        kept depends only on the scores of nodes ranked at or above it, never on its own
+        descendants'. Keeps at least ``keep``'s count when that count beats smaller trees.
+        scores: cumulative draft log-probs, best first; horizon: the most nodes a tree holds
+        (a constant of the spec, not how many were drafted)."""
+        seconds = [self.drafting_seconds + self._step_seconds(t) for t in range(1, horizon + 2)]
+        gain, kept = 1.0, 0
+        best_rate = gain / seconds[0]
+        for i, score in enumerate(scores[:horizon], start=1):
+            likely = self.accept(score)
+            reachable = max(
+                (gain + likely * (size - i + 1)) / seconds[size] for size in range(i, horizon + 1)
+            )
+            if reachable <= best_rate:
+                break
+            gain, kept = gain + likely, i
+            best_rate = max(best_rate, gain / seconds[i])
+        return kept
 
     def grow_deeper(
         self,
