@@ -46,8 +46,8 @@ class GenerateArgs(DraftOptions, TargetOptions):
     draft_sampling: DraftSampling = field(
         default=DraftSampling.AUTO,
         metadata={
-            "help": "how children are drawn when sampling: auto (without_replacement on a fixed "
-            "tree, top_k on an adaptive one) | top_k | without_replacement"
+            "help": "how children are drawn when sampling: auto (without_replacement; top_k "
+            "for adaptive trees a server batch sizes jointly) | top_k | without_replacement"
         },
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})

@@ -103,9 +103,9 @@ def draw_children(
     A top-k child's value is its draft log-prob. A sampled child's value is its rank's (the
     rank-th largest log-prob of the distribution drawn from), not its token's: the tree's
     choices then never depend on what a node drew (see ``DraftSampling``)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     k = min(k, logits.shape[-1])
-    if plan.sampling is DraftSampling.TOP_K or plan.params.greedy:
+    if not _samples(plan):
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         values, tokens = torch.topk(logprobs, k, dim=-1)
         return tokens, values, logprobs.exp()
     probs = warp_probs(logits, plan.params)  # [F, vocab]
@@ -357,7 +357,7 @@ def _finish(
         draws[i, : row.shape[0]] = row
     sampled = _samples(plan) and not chosen_by_value and bool(tree.prob_rows)
     # Point-mass (top-k) proposals never read the draft distribution: don't keep it.
-    if sampled and tree.prob_rows:
+    if sampled:
         probs = torch.stack(tree.prob_rows)  # [E, N]
         probs = probs if projection is None else projection.to_full(probs)  # [E, vocab]
     else:
