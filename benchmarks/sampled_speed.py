@@ -55,7 +55,7 @@ class Method:
     generator: SpeculativeGenerator
     speculate: bool
     tree: TreeSpec | None = None
-    draft_sampling: DraftSampling = DraftSampling.AUTO
+    draft_sampling: DraftSampling = DraftSampling.WITHOUT_REPLACEMENT
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)

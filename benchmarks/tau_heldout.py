@@ -320,7 +320,7 @@ def measure_run(
     temperature: float,
     max_new_tokens: int,
     seed: int = 0,
-    draft_sampling: DraftSampling = DraftSampling.AUTO,
+    draft_sampling: DraftSampling = DraftSampling.WITHOUT_REPLACEMENT,
     stop_token_ids: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """τ of one heads set at one temperature: per category, pooled and mean over categories.
@@ -377,7 +377,7 @@ def measure(
     temperatures: Sequence[float],
     max_new_tokens: int,
     seed: int = 0,
-    draft_sampling: DraftSampling = DraftSampling.AUTO,
+    draft_sampling: DraftSampling = DraftSampling.WITHOUT_REPLACEMENT,
     stop_token_ids: tuple[int, ...] | None = None,
     corpus: DraftCorpus | None = None,
 ) -> list[dict[str, Any]]:
@@ -650,9 +650,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--draft-sampling",
         choices=[s.value for s in DraftSampling],
-        default=DraftSampling.AUTO.value,
-        help="how a node's children are drafted at T>0 (auto: without replacement on the "
-        "fixed tree); changes acceptance, never the output's law",
+        default=DraftSampling.WITHOUT_REPLACEMENT.value,
+        help="how a node's children are drafted at T>0; changes acceptance, never the "
+        "output's law",
     )
     parser.add_argument(
         "--ignore-eos",

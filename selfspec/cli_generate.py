@@ -44,10 +44,10 @@ class GenerateArgs(DraftOptions, TargetOptions):
         },
     )
     draft_sampling: DraftSampling = field(
-        default=DraftSampling.AUTO,
+        default=DraftSampling.WITHOUT_REPLACEMENT,
         metadata={
-            "help": "how children are drawn when sampling: auto (without_replacement; top_k "
-            "for adaptive trees a server batch sizes jointly) | top_k | without_replacement"
+            "help": "how children are drawn when sampling: without_replacement (sampled from "
+            "the heads) | top_k (their k likeliest, EAGLE-2)"
         },
     )
     speculation: bool = field(default=True, metadata={"help": "--no-speculation: vanilla baseline"})

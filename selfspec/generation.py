@@ -68,7 +68,7 @@ class GenerationConfig:
     """False: vanilla decoding through the same loop (needs no heads)."""
     tree: TreeSpec | None = None
     """None: the generator's default (``SpeculativeGenerator.tree_for``)."""
-    draft_sampling: DraftSampling = DraftSampling.AUTO
+    draft_sampling: DraftSampling = DraftSampling.WITHOUT_REPLACEMENT
     """How children are drawn when sampling (``DraftSampling``; greedy ignores it)."""
     context_drafts: ContextDrafts | None = ContextDrafts()
     """Also graft chains into each tree: one copied from the request's own context (prompt and
@@ -222,6 +222,8 @@ class DraftedStep:
     request prices its nodes, for ``sizing.joint_keep``; then ``resize``."""
     drafting_seconds: float = 0.0
     """What drafting this tree took (joint sizing counts it in the round's time)."""
+    horizon: int = 0
+    """With ``sizer``: the most nodes the tree may keep (its spec's budget)."""
     context: tuple[ContextChain, ...] = ()
     """The context chains offered to this tree (kept in it or not), observed at ``conclude``."""
 
@@ -544,6 +546,7 @@ class SpeculativeGenerator:
                     buffers,
                     drafted=plan is not None,
                     sizer=sizing.sizer if sizing is not None and sizing.defer_keep else None,
+                    horizon=getattr(sizing.tree, "budget", 0) if sizing is not None else 0,
                     drafting_seconds=0.0 if plan is None else drafting,
                     context=chain,
                 )
@@ -578,10 +581,13 @@ class SpeculativeGenerator:
             context=context,
         )
 
-    def resize(self, state: RequestState, drafted: DraftedStep, count: int) -> DraftedStep:
-        """``drafted`` keeping its ``count`` best drafted nodes (``tree.prune``), with its
-        buffers remade; itself when it has no more."""
-        tree = prune(drafted.tree, count)
+    def resize(
+        self, state: RequestState, drafted: DraftedStep, count: int, as_drawn: bool = False
+    ) -> DraftedStep:
+        """``drafted`` keeping its ``count`` best drafted nodes (``tree.prune``; ``as_drawn``:
+        the count came from ``joint_keep(as_drawn=True)``), with its buffers remade; itself
+        when it has no more."""
+        tree = prune(drafted.tree, count, as_drawn)
         if tree is drafted.tree:
             return drafted
         with record_function("selfspec.tree_buffers"):
@@ -896,9 +902,9 @@ class GenerationStream:
         with torch.inference_mode(), streams[0]._scope():
             return owner.draft_many(steps, batch_size)
 
-    def resize(self, drafted: DraftedStep, count: int) -> DraftedStep:
+    def resize(self, drafted: DraftedStep, count: int, as_drawn: bool = False) -> DraftedStep:
         """``drafted`` keeping its ``count`` best drafted nodes (before its forward)."""
-        return self._owner.resize(self._decoding_state(), drafted, count)
+        return self._owner.resize(self._decoding_state(), drafted, count, as_drawn)
 
     def conclude(
         self,

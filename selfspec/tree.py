@@ -27,13 +27,11 @@ class DraftSampling(str, Enum):
     probability), never by the token it drew, so which nodes are kept never depends on their
     own draws and the draws stay samples of their proposals. Where a node's survival does
     depend on values that follow from its draw (the best count of an adaptive sizer's
-    ``keep``, a batch's joint sizing), the tree falls back to the point-mass rule: still exact,
-    accepted less often; an adaptive tree of sampled draws is therefore sized by a stopping rule
-    (``TreeSizer.keep_as_drawn``)."""
-    AUTO = "auto"
-    """Draws without replacement where the tree keeps them samples of their proposals (static
-    trees, dynamic trees of a fixed budget or sized alone), the top k where a batch's joint
-    sizing would turn them into point masses anyway (``resolve_draft_sampling``)."""
+    ``keep``), the tree falls back to the point-mass rule: still exact, accepted less often; an
+    adaptive tree of sampled draws is therefore sized by a stopping rule
+    (``TreeSizer.keep_as_drawn``, ``sizing.joint_keep(as_drawn=True)`` for a batch). The
+    default when sampling: at T=1 it accepts more than the top k with the same heads and
+    tree (``benchmarks/tau_heldout.py``)."""
 
 
 @dataclass(frozen=True)
@@ -99,20 +97,6 @@ class DynamicTree:
 
 
 TreeSpec = StaticTree | DynamicTree
-
-
-def resolve_draft_sampling(
-    sampling: DraftSampling, tree: TreeSpec, joint_sizing: bool = False
-) -> DraftSampling:
-    """``sampling`` with AUTO replaced by the choice for ``tree``: sampled draws accept more at
-    temperature > 0 (``tau_heldout.py``: T=1, fixed (10, 7, 60) tree), but a tree sized jointly
-    with a batch's others (``joint_sizing``: an adaptive tree in the server's batch) is sized
-    from every draw's score and verifies them as point masses, where the top k accept more."""
-    if sampling is not DraftSampling.AUTO:
-        return sampling
-    if joint_sizing and isinstance(tree, DynamicTree) and tree.adaptive:
-        return DraftSampling.TOP_K
-    return DraftSampling.WITHOUT_REPLACEMENT
 
 
 ADAPTIVE_TREE = DynamicTree(top_k=8, depth=6, budget=48, adaptive=True)
@@ -186,12 +170,14 @@ class Tree:
         return kids
 
 
-def prune(tree: Tree, count: int) -> Tree:
+def prune(tree: Tree, count: int, as_drawn: bool = False) -> Tree:
     """The root and the ``count`` best-scored drafted nodes of ``tree`` (ties: creation order),
     re-indexed; ``tree`` itself when it has no more. A kept node's parent is always kept (a
-    child never outscores its parent, and parents come first). ``count`` is chosen from the
-    scores (a batch's joint sizing), so a sampled tree that loses nodes is verified with the
-    point-mass rule (see ``DraftSampling``); its draft distribution is dropped."""
+    child never outscores its parent, and parents come first). ``as_drawn``: ``count`` was
+    chosen so that no node's survival depends on its own draw (``sizing.joint_keep``'s stopping
+    rule), and a sampled tree stays sampled; otherwise ``count`` may follow from every score,
+    so a sampled tree that loses nodes is verified with the point-mass rule (see
+    ``DraftSampling``) and its draft distribution is dropped."""
     if tree.scores is None:
         raise ValueError("only a drafted tree (with scores) can be pruned")
     if count < 0:
@@ -204,16 +190,18 @@ def prune(tree: Tree, count: int) -> Tree:
     new_index = {old: new for new, old in enumerate(keep)}
     parents = [new_index[parent] if parent >= 0 else -1 for parent in tree.parents[keep].tolist()]
     index = torch.tensor(keep, dtype=torch.long, device=tree.tokens.device)
+    sampled = as_drawn and tree.sampling is DraftSampling.WITHOUT_REPLACEMENT
     return Tree(
         tokens=tree.tokens[index],
         parents=torch.tensor(parents, dtype=torch.long, device=tree.tokens.device),
         depths=tree.depths[index],
         draw_ranks=tree.draw_ranks[index],
         expanded_row=tree.expanded_row[index],
-        draft_probs=tree.draft_probs[:0],
+        draft_probs=tree.draft_probs if sampled else tree.draft_probs[:0],
         draws=tree.draws,
-        sampling=DraftSampling.TOP_K,
+        sampling=tree.sampling if sampled else DraftSampling.TOP_K,
         scores=tree.scores[index],
+        point_mass=tree.point_mass[index] if sampled and tree.point_mass is not None else None,
     )
 
 

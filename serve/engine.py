@@ -47,6 +47,7 @@ from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.fair_queue import FairQueue
 from selfspec.serve.metrics import ServerMetrics
 from selfspec.speculation_gate import SpeculationGate
+from selfspec.tree import DraftSampling
 
 logger = logging.getLogger(__name__)
 
@@ -525,14 +526,18 @@ class Engine:
                 step.sizer,
                 step.tree.scores[1:].sort(descending=True).values.tolist(),
                 step.drafting_seconds,
+                step.horizon,
             )
             for step in sized
         ]
-        count = joint_keep(candidates, batch_size=len(drafted), min_tokens=fixed)
+        # Sampled draws stay samples only if the count never follows from their own draws.
+        as_drawn = any(s.tree.sampling is DraftSampling.WITHOUT_REPLACEMENT for s in sized)
+        count = joint_keep(candidates, len(drafted), fixed, as_drawn)
         out = []
         for job, step in drafted:
             try:
-                out.append((job, job.stream.resize(step, count) if step.sizer else step))
+                resized = job.stream.resize(step, count, as_drawn) if step.sizer else step
+                out.append((job, resized))
             except Exception as error:
                 self._fail(job, error)
                 left.append(job)

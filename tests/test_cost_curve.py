@@ -134,6 +134,32 @@ def test_keep_as_drawn_decides_each_node_from_the_scores_at_and_above_it() -> No
         TreeSizer(linear, drafting_seconds=-1.0)
 
 
+def test_joint_keep_as_drawn_decides_each_count_from_the_ranks_up_to_it() -> None:
+    """The batch's stopping rule: whether count c is kept depends on every request's scores at
+    ranks up to c only, and it keeps at least the best count (drafting priced alike)."""
+    curve = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lists = [
+            torch.rand(int(n), generator=generator).sort(descending=True).values.tolist()
+            for n in torch.randint(1, 9, (3,), generator=generator)
+        ]
+        batch = [
+            JointCandidate(TreeSizer(curve, drafting_seconds=0.002), _log(p), 0.002, horizon=8)
+            for p in lists
+        ]
+        kept = joint_keep(batch, batch_size=3, as_drawn=True)
+        assert kept >= joint_keep(batch, batch_size=3)
+        # Scores beyond rank kept + 1 changed (still best first): the same count.
+        changed = [
+            JointCandidate(
+                c.sizer, c.scores[: kept + 1] + [s - 5.0 for s in c.scores[kept + 1 :]], 0.0, 8
+            )
+            for c in batch
+        ]
+        assert joint_keep(changed, batch_size=3, as_drawn=True) == kept
+
+
 def test_sizer_prices_the_steps_fixed_work_into_every_tree() -> None:
     curve = CostCurve(sizes=(1, 101), seconds=(0.010, 0.110))
     scores = _log([0.9, 0.8, 0.5, 0.2, 0.05, 0.01])
@@ -207,5 +233,7 @@ def test_joint_keep_sizes_a_batch_for_its_padded_forward() -> None:
         assert alone == TreeSizer(gentle).keep(scores, drafting_seconds=0.0)
     with pytest.raises(ValueError, match="at least one"):
         joint_keep([], batch_size=1)
+    with pytest.raises(ValueError, match="at least one"):
+        joint_keep([], batch_size=1, as_drawn=True)
     with pytest.raises(ValueError, match="batch_size"):
         joint_keep(batch(weak, weak), batch_size=1)

@@ -12,7 +12,7 @@ from tiny_models import make_lively_model
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.sampling import SamplingParams
-from selfspec.tree import DraftSampling, DynamicTree
+from selfspec.tree import DynamicTree
 
 sampled_speed = load_benchmark("sampled_speed")
 
@@ -64,4 +64,3 @@ def test_methods_run_the_same_prompts_and_report_against_plain_decoding() -> Non
     }
     table = sampled_speed.markdown(report)
     assert table.count("\n| ") == 4 and "without_replacement" in table
-    assert DraftSampling.AUTO not in sampled_speed.SAMPLINGS

@@ -110,8 +110,8 @@ CASES = [
     ("medusa", StaticTree.chain(2), DraftSampling.TOP_K),
     ("eagle", StaticTree.full((2, 2)), DraftSampling.TOP_K),
     ("eagle", StaticTree.full((3, 1)), DraftSampling.WITHOUT_REPLACEMENT),
-    # 4 of 9 drafted nodes kept by their ranks' values; verified as draws (auto: sampled here).
-    ("eagle", DynamicTree(top_k=3, depth=2, budget=4), DraftSampling.AUTO),
+    # 4 of 9 drafted nodes kept by their ranks' values; verified as draws.
+    ("eagle", DynamicTree(top_k=3, depth=2, budget=4), DraftSampling.WITHOUT_REPLACEMENT),
 ]
 
 

@@ -16,15 +16,14 @@ from tiny_models import ARCHS, VOCAB_SIZE, tiny_config
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from selfspec.drafting.grow import DraftPlan, grow_tree
+from selfspec.sampling import SamplingParams
 from selfspec.target_forward import TargetForward
 from selfspec.tree import (
-    ADAPTIVE_TREE,
     DEFAULT_STATIC_TREE,
     DraftSampling,
     DynamicTree,
     StaticTree,
     prune,
-    resolve_draft_sampling,
     tree_buffers,
 )
 
@@ -217,14 +216,24 @@ def test_prune_keeps_the_best_scored_nodes_with_their_parents() -> None:
         prune(replace(sampled, scores=None), 2)
 
 
-def test_auto_draft_sampling_samples_unless_a_batch_sizes_the_tree() -> None:
-    auto = DraftSampling.AUTO
-    sampled = DraftSampling.WITHOUT_REPLACEMENT
-    assert resolve_draft_sampling(auto, StaticTree.chain(3)) is sampled
-    assert resolve_draft_sampling(auto, DynamicTree(10, 7, 60)) is sampled
-    assert resolve_draft_sampling(auto, ADAPTIVE_TREE) is sampled  # sized by a stopping rule
-    # Sized jointly with a batch's trees: point masses anyway, so the top k.
-    assert resolve_draft_sampling(auto, ADAPTIVE_TREE, joint_sizing=True) is DraftSampling.TOP_K
-    assert resolve_draft_sampling(auto, DynamicTree(10, 7, 60), joint_sizing=True) is sampled
-    for explicit in (DraftSampling.TOP_K, sampled):  # an explicit choice stands
-        assert resolve_draft_sampling(explicit, ADAPTIVE_TREE, joint_sizing=True) is explicit
+def test_prune_as_drawn_keeps_a_sampled_tree_sampled() -> None:
+    """A count chosen by a stopping rule (``joint_keep(as_drawn=True)``) keeps the draws
+    samples of their proposals; any other count makes them point masses."""
+    plan = DraftPlan(
+        tree=DynamicTree(top_k=3, depth=3, budget=10),
+        sampling=DraftSampling.WITHOUT_REPLACEMENT,
+        params=SamplingParams(temperature=1.0),
+    )
+
+    def expand(tree, frontier):
+        return torch.randn(len(frontier), VOCAB_SIZE, generator=torch.Generator().manual_seed(1))
+
+    tree = grow_tree(0, expand, plan, torch.Generator().manual_seed(0))
+    assert tree.sampling is DraftSampling.WITHOUT_REPLACEMENT and tree.size == 11
+    kept = prune(tree, 4, as_drawn=True)
+    assert kept.size == 5 and kept.sampling is DraftSampling.WITHOUT_REPLACEMENT
+    assert kept.draft_probs.shape == tree.draft_probs.shape
+    best = sorted(range(1, tree.size), key=lambda n: -float(tree.scores[n]))[:4]
+    assert kept.tokens.tolist() == tree.tokens[[0, *sorted(best)]].tolist()
+    cut = prune(tree, 4)
+    assert cut.sampling is DraftSampling.TOP_K and cut.draft_probs.shape[0] == 0

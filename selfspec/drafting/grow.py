@@ -23,14 +23,7 @@ from selfspec.drafting.context import ContextChain
 from selfspec.drafting.projection import DraftProjection
 from selfspec.drafting.sizing import TreeSizer
 from selfspec.sampling import SamplingParams, warp_probs
-from selfspec.tree import (
-    DraftSampling,
-    DynamicTree,
-    StaticTree,
-    Tree,
-    TreeSpec,
-    resolve_draft_sampling,
-)
+from selfspec.tree import DraftSampling, DynamicTree, StaticTree, Tree, TreeSpec
 
 
 @dataclass(frozen=True)
@@ -50,10 +43,6 @@ class DraftPlan:
     """Chains from the request's context and the draft corpus (``selfspec.drafting.context``),
     grafted into the grown tree before its nodes are chosen, so they compete with the heads'
     nodes by score."""
-
-    def __post_init__(self) -> None:
-        sampling = resolve_draft_sampling(self.sampling, self.tree, self.defer_keep)
-        object.__setattr__(self, "sampling", sampling)
 
 
 @dataclass

@@ -86,18 +86,7 @@ class TreeSizer:
         scores: cumulative draft log-probs, best first; horizon: the most nodes a tree holds
         (a constant of the spec, not how many were drafted)."""
         seconds = [self.drafting_seconds + self._step_seconds(t) for t in range(1, horizon + 2)]
-        gain, kept = 1.0, 0
-        best_rate = gain / seconds[0]
-        for i, score in enumerate(scores[:horizon], start=1):
-            likely = self.accept(score)
-            reachable = max(
-                (gain + likely * (size - i + 1)) / seconds[size] for size in range(i, horizon + 1)
-            )
-            if reachable <= best_rate:
-                break
-            gain, kept = gain + likely, i
-            best_rate = max(best_rate, gain / seconds[i])
-        return kept
+        return _kept_as_drawn([self.accept(s) for s in scores[:horizon]], seconds, 1.0)
 
     def grow_deeper(
         self,
@@ -151,14 +140,27 @@ class JointCandidate:
     scores: Sequence[float]
     """Cumulative draft log-probs of its drafted nodes, best first."""
     drafting_seconds: float
+    horizon: int = 0
+    """The most nodes its tree may hold (its spec's budget), for ``as_drawn`` sizing."""
 
 
-def joint_keep(candidates: Sequence[JointCandidate], batch_size: int, min_tokens: int = 1) -> int:
+def joint_keep(
+    candidates: Sequence[JointCandidate],
+    batch_size: int,
+    min_tokens: int = 1,
+    as_drawn: bool = False,
+) -> int:
     """How many drafted nodes each of ``candidates`` keeps (the same count for all, each
     capped by what it drafted) when their trees share one verification forward of
     ``batch_size`` rows padded to the largest tree: the count that maximises the batch's
     expected committed tokens per second. ``min_tokens``: the largest tree in the forward that
-    is not resized (root included), below which padding costs nothing more. 0: no drafts."""
+    is not resized (root included), below which padding costs nothing more. 0: no drafts.
+
+    ``as_drawn``: count by count instead, by the stopping rule of ``TreeSizer.keep_as_drawn``
+    (up to the candidates' ``horizon``), pricing drafting by each request's past steps: whether
+    a request's node at rank c is kept then follows from scores at ranks up to c, its own and
+    the other requests' (independent draws), so sampled draws stay samples of their
+    proposals."""
     if not candidates:
         raise ValueError("joint_keep needs at least one request")
     if batch_size < len(candidates) or min_tokens < 1:
@@ -167,9 +169,20 @@ def joint_keep(candidates: Sequence[JointCandidate], batch_size: int, min_tokens
             f"{batch_size} and {min_tokens}"
         )
     accepts = [[c.sizer.accept(score) for score in c.scores] for c in candidates]
-    fixed = sum(c.drafting_seconds + c.sizer.overhead_seconds for c in candidates)
     scale = sum(c.sizer.cost_scale for c in candidates) / len(candidates)
     curve = candidates[0].sizer.curve
+    if as_drawn:
+        horizon = max(c.horizon for c in candidates)
+        past = sum(c.sizer.drafting_seconds + c.sizer.overhead_seconds for c in candidates)
+        seconds = [
+            past + scale * curve.at(batch_size * max(count + 1, min_tokens))
+            for count in range(horizon + 1)
+        ]
+        likely = [
+            sum(a[count] for a in accepts if len(a) > count) for count in range(horizon)
+        ]  # non-increasing: every request's scores are, and fewer requests reach each rank
+        return _kept_as_drawn(likely, seconds, float(len(candidates)))
+    fixed = sum(c.drafting_seconds + c.sizer.overhead_seconds for c in candidates)
     widest = max(map(len, accepts))
     best_count, best_rate, gain = 0, 0.0, float(len(candidates))
     for count in range(widest + 1):
@@ -180,3 +193,19 @@ def joint_keep(candidates: Sequence[JointCandidate], batch_size: int, min_tokens
         if rate > best_rate:
             best_count, best_rate = count, rate
     return best_count
+
+
+def _kept_as_drawn(likely: Sequence[float], seconds: Sequence[float], gain: float) -> int:
+    """How many nodes to keep, decided node by node: node i (``likely[i - 1]``, its expected
+    committed tokens; non-increasing) is kept while some count from i to ``len(seconds) - 1``
+    could still beat the best rate so far if every later node were as likely as it.
+    ``seconds[c]``: the step's seconds with c nodes; ``gain``: its tokens with none."""
+    horizon = len(seconds) - 1
+    kept, best_rate = 0, gain / seconds[0]
+    for i, value in enumerate(likely[:horizon], start=1):
+        reachable = max((gain + value * (c - i + 1)) / seconds[c] for c in range(i, horizon + 1))
+        if reachable <= best_rate:
+            break
+        gain, kept = gain + value, i
+        best_rate = max(best_rate, gain / seconds[i])
+    return kept

@@ -181,14 +181,14 @@ def test_adaptive_trees_of_a_round_are_sized_together(server_for, monkeypatch) -
     rounds: list[tuple[int, int, int]] = []
     resized: list[tuple[int, int]] = []
 
-    def fixed_count(candidates, batch_size: int, min_tokens: int = 1) -> int:
+    def fixed_count(candidates, batch_size: int, min_tokens: int = 1, as_drawn=False) -> int:
         rounds.append((len(candidates), batch_size, min_tokens))
         return 2
 
     real_resize = GenerationStream.resize
 
-    def record(self, drafted, count: int):
-        out = real_resize(self, drafted, count)
+    def record(self, drafted, count: int, as_drawn: bool = False):
+        out = real_resize(self, drafted, count, as_drawn)
         resized.append((drafted.tree.size, out.tree.size))
         return out
 
