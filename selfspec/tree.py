@@ -98,7 +98,6 @@ class DynamicTree:
 
 TreeSpec = StaticTree | DynamicTree
 
-
 ADAPTIVE_TREE = DynamicTree(top_k=8, depth=6, budget=48, adaptive=True)
 """The adaptive tree's bounds: wide and deep enough that the cost curve, not the bounds, decides."""
 
