@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -35,10 +34,10 @@ import torch
 from tqdm import tqdm
 
 from selfspec.atomic import write_text_atomic
-from selfspec.cost_curve import cached_cost_curve, cpu_flags, cpu_model
+from selfspec.cost_curve import cached_cost_curve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
-from selfspec.kernels.ops import kernel_isa
+from selfspec.machine import machine_record
 from selfspec.sampling import SamplingParams
 from selfspec.shipped import resolve_corpus, resolve_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, cache_root, load_target
@@ -206,14 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bar.update()
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpu": cpu_model(),
-            "flags": cpu_flags(),
-            "kernels": kernel_isa(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "machine": machine_record(),
         "settings": {
             "prompts": len(ids),
             "max_new_tokens": args.max_new_tokens,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import re
 import statistics
 import sys
@@ -47,16 +46,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from selfspec.atomic import write_file_atomic, write_text_atomic
-from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.drafting.context import ContextDrafts
 from selfspec.drafting.corpus import DraftCorpus
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
-from selfspec.kernels.ops import kernel_isa
+from selfspec.machine import machine_record
 from selfspec.sampling import SamplingParams
 from selfspec.shipped import resolve_corpus, shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
@@ -651,8 +648,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--draft-sampling",
         choices=[s.value for s in DraftSampling],
         default=DraftSampling.WITHOUT_REPLACEMENT.value,
-        help="how a node's children are drafted at T>0; changes acceptance, never the "
-        "output's law",
+        help="how a node's children are drafted at T>0; changes acceptance, never the output's law",
     )
     parser.add_argument(
         "--ignore-eos",
@@ -744,14 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dtype": args.dtype,
         "mean_tau": "unweighted mean of the category τs",
     }
-    machine = {
-        "cpu": cpu_model(),
-        "flags": cpu_flags(),
-        "kernels": kernel_isa(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    machine = machine_record()
     print(
         f"cpu: {machine['cpu']}; flags: {' '.join(machine['flags'])}; kernels "
         f"{machine['kernels']}; {machine['threads']} threads"
