@@ -209,6 +209,48 @@ def test_adaptive_trees_of_a_round_are_sized_together(server_for, monkeypatch) -
     assert resized and all(after == min(before, 3) for before, after in resized)
 
 
+def test_sampled_trees_of_a_round_stay_sampled_when_sized_together(server_for, monkeypatch) -> None:
+    """Sampling requests in one round: the joint count comes from the stopping rule
+    (``as_drawn``), and the resized trees keep their draws as samples (verified with their
+    proposals, not as point masses)."""
+    from selfspec.generation import GenerationStream
+    from selfspec.serve import engine as engine_module
+    from selfspec.tree import DraftSampling
+
+    real_joint_keep = engine_module.joint_keep
+    modes: list[bool] = []
+    kept_sampling: list[DraftSampling] = []
+
+    def record_joint(candidates, batch_size: int, min_tokens: int = 1, as_drawn=False) -> int:
+        modes.append(as_drawn)
+        return max(1, real_joint_keep(candidates, batch_size, min_tokens, as_drawn))
+
+    real_resize = GenerationStream.resize
+
+    def record_resize(self, drafted, count: int, as_drawn: bool = False):
+        out = real_resize(self, drafted, count, as_drawn)
+        kept_sampling.append(out.tree.sampling)
+        return out
+
+    monkeypatch.setattr(engine_module, "joint_keep", record_joint)
+    monkeypatch.setattr(GenerationStream, "resize", record_resize)
+    sampled = [
+        {"model": m, "prompt": p, "temperature": 1.0, "max_tokens": 16}  # unseeded: sizable
+        for m, p in (("attn", "abc"), ("mlp", "hello world"), ("attn", "xyz"), ("mlp", "abc"))
+    ]
+    sampled = [{**b, "ignore_eos": True, "speculation": True} for b in sampled]
+    with server_for(max_running=8, max_queue=8, tree="adaptive") as (url, _, _):
+        _post(url, sampled[0])  # warm: the engine's first round
+        modes.clear()
+        kept_sampling.clear()
+        with ThreadPoolExecutor(len(sampled)) as pool:
+            replies = list(pool.map(lambda body: _post(url, body), sampled))
+    assert all(r.status_code == 200 for r in replies)
+    assert all(r.json()["usage"]["completion_tokens"] == 16 for r in replies)
+    assert modes and all(modes)
+    assert kept_sampling and set(kept_sampling) == {DraftSampling.WITHOUT_REPLACEMENT}
+
+
 def _stream_text(url: str, body: dict[str, object]) -> str:
     import json
 
