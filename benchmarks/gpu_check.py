@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cached_cost_curve, elapsed_seconds
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
+from selfspec.reports import write_report
 from selfspec.shipped import resolve_heads_dir
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, cache_root, load_target
 from selfspec.target_forward import TargetForward
@@ -261,10 +261,7 @@ def main() -> int:
             method.taus.append(tau)
         print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     report = summarise(methods, prompts, args, device)
-    write_text_atomic(args.out / "gpu_check.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "gpu_check.md", table)
-    print(table)
+    write_report(args.out, report, markdown(report), stem="gpu_check")
     return 0
 
 

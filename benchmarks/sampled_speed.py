@@ -33,11 +33,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cached_cost_curve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
-from selfspec.machine import machine_record
+from selfspec.reports import machine_record, write_report
 from selfspec.sampling import SamplingParams
 from selfspec.shipped import resolve_corpus, resolve_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, cache_root, load_target
@@ -218,10 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "rows": summarise(methods),
     }
-    write_text_atomic(args.out / "results.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "results.md", table)
-    print(table)
+    write_report(args.out, report, markdown(report))
     return 0
 
 

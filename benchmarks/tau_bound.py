@@ -50,6 +50,7 @@ from transformers import DynamicCache
 from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.generation import eos_token_ids
 from selfspec.kv_commit import drop_uncommitted
+from selfspec.reports import machine_record, write_report
 from selfspec.sampling import SamplingParams, sample_from, warp_probs
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 from selfspec.target_forward import TargetForward
@@ -394,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"temperature": temperature, "categories": categories, "mean": mean})
     report = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu_model(), "flags": cpu_flags(), "threads": torch.get_num_threads()},
+        "machine": machine_record(),
         "settings": {
             "prompts": len(prompts),
             "budget": args.budget,
@@ -407,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    tau_heldout.write_results(args.out, report, markdown(report))
+    write_report(args.out, report, markdown(report))
     if plot(report, args.out / "tau_bound.png") is None:
         print("(no plot: matplotlib is not installed)")
     return 0

@@ -48,12 +48,12 @@ from typing import Any
 
 from torch import nn
 
-from selfspec.atomic import write_file_atomic, write_text_atomic
+from selfspec.atomic import write_file_atomic
 from selfspec.drafting.context import ContextDrafts
 from selfspec.drafting.corpus import DraftCorpus
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import HeadKind, load_heads
-from selfspec.machine import machine_record
+from selfspec.reports import machine_record, write_report
 from selfspec.sampling import SamplingParams
 from selfspec.shipped import resolve_corpus, shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
@@ -560,14 +560,6 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return save_figure(figure, path)
 
 
-def write_results(out: Path, report: dict[str, Any], table: str) -> None:
-    """OUT/results.json (the report) and OUT/results.md (its tables), each atomically; the
-    tables printed."""
-    write_text_atomic(out / "results.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out / "results.md", table)
-    print(table)
-
-
 def save_figure(figure: Any, path: Path) -> Path:
     """Lay ``figure`` out, write it to ``path`` atomically, close it."""
     from matplotlib import pyplot as plt
@@ -766,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
-    write_results(args.out, report, markdown(report))
+    write_report(args.out, report, markdown(report))
     if not args.no_plot and plot(report, args.out / "tau_per_category.png") is None:
         print("(no plot: matplotlib is not installed)")
     return 0
