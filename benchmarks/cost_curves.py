@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_file_atomic, write_text_atomic
+from selfspec.atomic import write_file_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model, measure_cost_curve
 from selfspec.kernels import extension
+from selfspec.reports import write_report
 from selfspec.target import TargetSpec, load_target
 from selfspec.target_forward import TargetForward
 
@@ -97,10 +98,7 @@ def main() -> int:
         "sizes": list(SIZES),
         "rows": rows,
     }
-    write_text_atomic(args.out / "cost_curves.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "cost_curves.md", table)
-    print(table)
+    write_report(args.out, report, markdown(report), stem="cost_curves")
     if args.plot:
         plot(report, args.plot)
     return 0

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model, machine_cost_curve
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.kernels.ops import kernel_isa
 from selfspec.modes import split_mode
+from selfspec.reports import write_report
 from selfspec.shipped import resolve_corpus, shipped_heads_dir
 from selfspec.target import TargetSpec, apply_chat_template, load_target
 from selfspec.tree import parse_tree_spec
@@ -92,7 +92,6 @@ def main() -> int:
         "max_new_tokens": args.max_new_tokens,
         "rows": results,
     }
-    write_text_atomic(args.out / "exactness.json", json.dumps(report, indent=2) + "\n")
     lines = [
         f"Speculative vs vanilla greedy, {len(prompts)} held-out prompts x {args.max_new_tokens} "
         f"tokens; {report['cpu']} ({' '.join(report['flags'])}), kernels {report['kernels']}, "
@@ -105,9 +104,7 @@ def main() -> int:
         where = ", ".join(map(str, row["first_differences"])) or "-"
         cells = (row["dtype"], row["tree"], row["equal"], str(row["vanilla_tokens"]), where)
         lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines) + "\n"
-    write_text_atomic(args.out / "exactness.md", table)
-    print(table)
+    write_report(args.out, report, "\n".join(lines) + "\n", stem="exactness")
     return 0
 
 

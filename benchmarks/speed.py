@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_flags, cpu_model
 from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.modes import split_mode
+from selfspec.reports import write_report
 from selfspec.shipped import resolve_corpus, resolve_heads_dir
 from selfspec.target import (
     LoadedTarget,
@@ -316,10 +316,7 @@ def main() -> int:
                 method.outputs.append(tokens)
                 bar.update()
     report = summarise(methods, curves, args, prompts)
-    write_text_atomic(args.out / "speed.json", json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    write_text_atomic(args.out / "speed.md", table)
-    print(table)
+    write_report(args.out, report, markdown(report), stem="speed")
     return 0
 
 
