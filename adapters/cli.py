@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from selfspec.cli_args import parse_dataclass
+from selfspec.draft_options import DraftOptions
+from selfspec.target_options import TargetOptions
 from selfspec.tree import parse_tree_spec
 
 PROG = "selfspec eval"
@@ -29,11 +31,11 @@ DESCRIPTION = (
 )
 
 
-@dataclass(frozen=True)
-class EvalArgs:
-    model: str | None = field(
-        default=None, metadata={"help": "local HF model dir or .gguf; omit for the default"}
-    )
+@dataclass(frozen=True, kw_only=True)
+class EvalArgs(DraftOptions, TargetOptions):
+    """The target's options (`TargetOptions`) and the drafting ones (`DraftOptions`: context
+    drafts and their corpus, on by default as when serving), then these."""
+
     heads: str = field(
         default="eagle", metadata={"help": "heads dir, or 'eagle' / 'medusa' (shipped heads)"}
     )
@@ -50,8 +52,6 @@ class EvalArgs:
     max_prompts: int = field(default=16, metadata={"help": "first N prompts of the file"})
     max_new_tokens: int = field(default=64, metadata={"help": "tokens generated per prompt"})
     tree: str = field(default="auto", metadata={"help": "tree spec, as for selfspec generate"})
-    dtype: str = field(default="float32", metadata={"help": "float32 or bfloat16"})
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     out: str = field(default="robustness", metadata={"help": "output directory"})
     min_ratio: float | None = field(
         default=None, metadata={"help": "gate: fail if an adapter's tau / base tau is below this"}
@@ -59,6 +59,7 @@ class EvalArgs:
     plot: bool = field(default=True, metadata={"help": "write robustness.png (needs matplotlib)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         parse_tree_spec(self.tree)
         if self.max_prompts < 1:
             raise ValueError(f"--max-prompts must be >= 1, got {self.max_prompts}")
@@ -120,4 +121,3 @@ def adapters_main(argv: Sequence[str]) -> int:
     }
     print(json.dumps(listing, indent=2))
     return 0
-

@@ -24,14 +24,14 @@ from selfspec.cost_curve import machine_cost_curve, needs_cost_curve
 from selfspec.generation import SpeculativeGenerator
 from selfspec.heads import load_heads
 from selfspec.shipped import resolve_heads_dir
-from selfspec.target import TargetSpec, load_target
+from selfspec.target import load_target
 from selfspec.tree import parse_tree_spec
 
 
 def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
     """`args`: an `EvalArgs`. Returns the report and the files written."""
-    is_default = args.model in (None, "default")
-    target = load_target(TargetSpec(model=args.model, dtype=args.dtype, threads=args.threads))
+    is_default = args.is_default_target
+    target = load_target(args.target_spec())
     model = target.model
     heads = _heads(args.heads, model, is_default)
     prompts_path = Path(args.prompts) if args.prompts else default_prompts_file()
@@ -43,9 +43,15 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
             "no adapters to evaluate: give --adapters-root DIR or --adapters NAME_OR_DIR ..."
             + (f" (rejected: {store.rejected})" if store.rejected else "")
         )
-    settings = EvalSettings(max_new_tokens=args.max_new_tokens, tree=parse_tree_spec(args.tree))
+    settings = EvalSettings(
+        max_new_tokens=args.max_new_tokens,
+        tree=parse_tree_spec(args.tree),
+        context_drafts=args.context_drafts_config(),
+    )
     curve = machine_cost_curve(model) if needs_cost_curve(settings.tree) else None
+    corpus = args.corpus_for(model, is_default)
     shared = SpeculativeGenerator(model, heads, target.tokenizer, curve)
+    shared.corpus = corpus
     row_count = 1 + sum(1 + (store.info(n).heads_path is not None) for n in names)
     with tqdm(total=row_count * len(prompts), desc="eval", unit="prompt") as progress:
         progress.set_postfix_str(BASE)
@@ -61,9 +67,9 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
             generators = [(shared, "base")]
             if info.heads_path is not None:
                 own = load_heads(info.heads_path, model)
-                generators.append(
-                    (SpeculativeGenerator(model, own, target.tokenizer, curve), "own")
-                )
+                own_generator = SpeculativeGenerator(model, own, target.tokenizer, curve)
+                own_generator.corpus = corpus
+                generators.append((own_generator, "own"))
             with store.pinned(name):
                 for generator, heads_kind in generators:
                     progress.set_postfix_str(f"{name} ({heads_kind} heads)")
@@ -86,6 +92,9 @@ def run_evaluation(args: Any) -> tuple[RobustnessReport, list[Path]]:
             "target": target.name,
             "heads": args.heads if args.heads in ("eagle", "medusa") else Path(args.heads).name,
             "dtype": args.dtype,
+            "activations": args.activations,
+            "context_drafts": args.context_drafts,
+            "draft_corpus": None if corpus is None else args.draft_corpus,
             "prompts": f"{prompts_path.name} (first {len(prompts)})",
             "max_new_tokens": args.max_new_tokens,
             "tree": args.tree,

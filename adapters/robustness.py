@@ -17,7 +17,6 @@ reports:
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,9 @@ from typing import Any
 
 import torch
 
+from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
+from selfspec.reports import machine_record
 from selfspec.stats import GenerationStats
 from selfspec.tree import TreeSpec
 
@@ -40,6 +41,9 @@ class EvalSettings:
     max_new_tokens: int = 64
     tree: TreeSpec | None = None
     """None: the heads' default tree."""
+    context_drafts: ContextDrafts | None = ContextDrafts()
+    """Chains copied from the context into each tree, as `GenerationConfig` takes them (None:
+    the heads' drafts alone)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 2:
@@ -160,7 +164,11 @@ def measure(
     progress: a tqdm bar (or anything with ``update()``) advanced once per prompt.
     base_scope: the base model's step scope, to measure this row's agreement with it (None:
     this row is the base, agreement 1.0)."""
-    speculative_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, tree=settings.tree)
+    speculative_cfg = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens,
+        tree=settings.tree,
+        context_drafts=settings.context_drafts,
+    )
     vanilla_cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, speculate=False)
     pooled = GenerationStats()
     vanilla_tokens = vanilla_seconds = speculative_tokens = speculative_seconds = 0.0
@@ -221,10 +229,8 @@ def with_ratios(rows: Sequence[Measurement]) -> tuple[Measurement, ...]:
 
 
 def machine() -> dict[str, Any]:
-    """Where the numbers come from."""
+    """Where the numbers come from, and when."""
     return {
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}".strip(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        **machine_record(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny_target
+from tiny_models import make_lively_model, save_tiny_target
 
 from selfspec import build_heads, heads_config_for, save_heads
 from selfspec.cli import main
@@ -135,3 +135,29 @@ def test_the_base_agrees_with_its_own_greedy_output(setup) -> None:
     assert base_agreement(generator, prompt, output.token_ids, contextlib.nullcontext) == 12
     flipped = [(t + 1) % 50 for t in output.token_ids]
     assert base_agreement(generator, prompt, flipped, contextlib.nullcontext) < 12
+
+
+def test_eval_measures_with_context_drafts_only_when_asked() -> None:
+    """`EvalSettings.context_drafts` reaches the speculative runs: on text that repeats itself,
+    chains copied from it raise τ over the (untrained) heads alone; outputs stay vanilla."""
+    from selfspec.adapters.robustness import EvalSettings, measure
+    from selfspec.drafting.context import ContextDrafts
+    from selfspec.generation import SpeculativeGenerator
+    from selfspec.tree import DynamicTree
+
+    model = make_lively_model("llama")
+    generator = SpeculativeGenerator(model, build_heads(heads_config_for(model, "eagle")).eval())
+    prompts = [[1, 23, 5, 61, 8, 30]]
+    tree = DynamicTree(3, 4, 12)
+    heads_only = measure(generator, prompts, EvalSettings(24, tree, context_drafts=None))
+    with_context = measure(generator, prompts, EvalSettings(24, tree, ContextDrafts()))
+    assert heads_only.greedy_equal == with_context.greedy_equal == 1
+    assert with_context.tau > heads_only.tau
+
+
+def test_eval_records_its_drafting_options(setup, adapter_root, tmp_path) -> None:
+    assert _eval(setup, adapter_root, tmp_path, "--no-plot", "--adapters", "attn",
+                 "--no-context-drafts") == 0
+    settings = json.loads((tmp_path / "robustness.json").read_text())["settings"]
+    assert settings["context_drafts"] is False and settings["draft_corpus"] is None
+    assert settings["flags"] and settings["cpu"]  # the machine record names the CPU
