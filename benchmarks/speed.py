@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from selfspec.cost_curve import CostCurve, cached_cost_curve, cpu_flags, cpu_model
+from selfspec.draft_options import CONTEXT_MODES, add_context_draft_arguments
 from selfspec.drafting.context import ContextDrafts
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import load_heads
@@ -55,9 +56,6 @@ PACKING = {"auto": None, "on": True, "off": False}
 KERNELS = {"auto": None, "on": True, "off": False}
 HF_DTYPES = ("float32", "bfloat16")  # the modes transformers runs itself
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
-CONTEXT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
-"""--context-drafts: speculative rows with the heads' drafts alone, with chains copied from the
-request's context as well (rows "... + context", the CLI's and server's default), or both."""
 
 
 @dataclass
@@ -269,18 +267,7 @@ def main() -> int:
         help="selfspec's targets: the row-invariant kernels (auto: C++ where built, else the "
         "torch fallback; off: transformers' ops, float32/bfloat16 only)",
     )
-    parser.add_argument(
-        "--context-drafts",
-        choices=list(CONTEXT_MODES),
-        default="both",
-        help="speculative rows with the heads' drafts alone (off), with chains copied from the "
-        "request's context too (on: the CLI's default), or both",
-    )
-    parser.add_argument(
-        "--draft-corpus",
-        default="auto",
-        help="context drafts also retrieve from this corpus: auto (the shipped one) | none | FILE",
-    )
+    add_context_draft_arguments(parser)
     parser.add_argument(
         "--no-speculation-gate",
         dest="speculation_gate",

@@ -49,6 +49,7 @@ from typing import Any
 from torch import nn
 
 from selfspec.atomic import write_file_atomic
+from selfspec.draft_options import CONTEXT_MODES, add_context_draft_arguments
 from selfspec.drafting.context import ContextDrafts
 from selfspec.drafting.corpus import DraftCorpus
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
@@ -428,11 +429,6 @@ def parse_heads_arg(text: str) -> tuple[str, Path]:
     return name, Path(path).expanduser()
 
 
-CONTEXT_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
-"""--context-drafts: whether each heads set drafts alone, with context drafts, or is measured
-both ways (a row "NAME + context" beside "NAME")."""
-
-
 def load_runs(
     model: nn.Module,
     shipped: Sequence[str],
@@ -621,17 +617,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--budget", type=int, default=FIXED_TREE.budget, help="tree nodes kept (root excluded)"
     )
     parser.add_argument("--max-new-tokens", type=int, default=96, help="per prompt")
-    parser.add_argument(
-        "--context-drafts",
-        choices=list(CONTEXT_MODES),
-        default="both",
-        help="heads alone (off), with chains copied from the request's context (on), or both",
-    )
-    parser.add_argument(
-        "--draft-corpus",
-        default="auto",
-        help="context drafts also retrieve from this corpus: auto (the shipped one) | none | FILE",
-    )
+    add_context_draft_arguments(parser)
     parser.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy"
     )

@@ -4,6 +4,7 @@ import here (`selfspec --help` stays fast)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,3 +44,25 @@ class DraftOptions:
         if not self.context_drafts:
             return None
         return resolve_corpus(self.draft_corpus, is_default_target, model)
+
+
+CONTEXT_MODES: dict[str, tuple[bool, ...]] = {"off": (False,), "on": (True,), "both": (False, True)}
+"""A benchmark's ``--context-drafts``: its speculative rows draft with the heads alone (off), with
+chains copied from the request's context as well (on: rows "... + context", the CLI's and the
+server's default), or are measured both ways."""
+
+
+def add_context_draft_arguments(parser: argparse.ArgumentParser, default: str = "both") -> None:
+    """A benchmark's ``--context-drafts {off,on,both}`` and ``--draft-corpus``."""
+    parser.add_argument(
+        "--context-drafts",
+        choices=list(CONTEXT_MODES),
+        default=default,
+        help="speculative rows with the heads' drafts alone (off), with chains copied from the "
+        "request's context too (on: the CLI's default), or both",
+    )
+    parser.add_argument(
+        "--draft-corpus",
+        default="auto",
+        help="context drafts also retrieve from this corpus: auto (the shipped one) | none | FILE",
+    )
