@@ -3,11 +3,14 @@
 Heads learn to predict what the target itself would say, so the training text is the target's own
 output for prompts under its chat template. Generation is HF ``generate`` in left-padded batches.
 With ``store_features`` the target's last hidden state at every position is captured by a hook
-on the decoder body during generation, so training never runs the target again.
+on the decoder body during generation, so training never runs the target again; with
+``tap_layers`` too, its states entering those layers (what EAGLE-3 heads read) are captured in
+the same forwards (``layer_features``, named by ``layer_ids``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from selfspec.drafting.taps import LayerTaps, maybe_capture
 from selfspec.fingerprint import fingerprint_of
 from selfspec.generation import eos_token_ids
 from selfspec.target import LoadedTarget, TargetSpec, apply_chat_template, load_target
@@ -61,6 +65,10 @@ class DistillConfig:
     """Shard i samples with seed + i, so a resumed run gives what an uninterrupted one gives."""
     store_features: bool = True
     """Keep the target's last hidden state per position (float16), so training skips the target."""
+    tap_layers: tuple[int, ...] = ()
+    """With ``store_features``: also keep the target's states entering these layers (HF's
+    ``output_hidden_states`` indices; EAGLE-3 heads' ``target_layers``), concatenated per position
+    as ``layer_features`` (float16), with a ``layer_ids`` column naming them."""
     on_bad_line: OnBadLine = OnBadLine.fail
     """What a bad prompt line does: "skip" (reported with its line number) or "fail"."""
 
@@ -69,6 +77,9 @@ class DistillConfig:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
+        object.__setattr__(self, "tap_layers", tuple(int(k) for k in self.tap_layers))
+        if self.tap_layers and not self.store_features:
+            raise ValueError("distill tap_layers needs store_features (rows keep both)")
         if self.temperature <= 0 or not 0 < self.top_p <= 1:
             raise ValueError(
                 "distill needs temperature > 0 and 0 < top_p <= 1, "
@@ -131,6 +142,7 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
             bar.update(len(shard))
             continue
         shard_started = time.perf_counter()
+        hidden = model.get_input_embeddings().weight.shape[1]
         rows = _generate_shard(model, tokenizer, shard, config, config.seed + index, bar)
         produced = sum(rows["response_len"])
         write_shard(
@@ -142,7 +154,8 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
                 "generated_tokens": produced,
                 "seconds": round(time.perf_counter() - shard_started, 2),
             },
-            features=model.get_input_embeddings().weight.shape[1],
+            features=hidden,
+            extra=_tapped_schema(config.tap_layers, hidden),
         )
         done += 1
         tokens += produced
@@ -185,6 +198,7 @@ def _settings(config: DistillConfig, loaded: LoadedTarget) -> dict[str, Any]:
         "top_p": config.top_p,
         "seed": config.seed,
         "store_features": config.store_features,
+        **({"tap_layers": list(config.tap_layers)} if config.tap_layers else {}),
     }
 
 
@@ -209,6 +223,8 @@ def _generate_shard(
     }
     if config.store_features:
         columns["features"] = []
+    if config.tap_layers:
+        columns["layer_features"], columns["layer_ids"] = [], []
     order = sorted(range(len(shard)), key=lambda i: len(shard[i][1]))  # less padding per batch
     results: dict[int, tuple] = {}
     with torch.random.fork_rng(devices=[]):  # HF sampling draws from the global generator
@@ -222,7 +238,7 @@ def _generate_shard(
             ):
                 results[i] = row
             bar.update(len(batch))
-    for i, (ids, prompt_len, response_len, finished, features) in sorted(results.items()):
+    for i, (ids, prompt_len, response_len, finished, features, tapped) in sorted(results.items()):
         columns["input_ids"].append(ids)
         columns["prompt_len"].append(prompt_len)
         columns["response_len"].append(response_len)
@@ -230,13 +246,17 @@ def _generate_shard(
         columns["source_index"].append(shard[i][0])
         if config.store_features:
             columns["features"].append(features)
+        if config.tap_layers:
+            columns["layer_features"].append(tapped)
+            columns["layer_ids"].append(list(config.tap_layers))
     return columns
 
 
 def _generate_batch(
     model, tokenizer, prompts: list[list[int]], config: DistillConfig
 ) -> list[tuple]:
-    """(ids, prompt_len, response_len, finished, features [len-1, H] float16 numpy) per prompt."""
+    """(ids, prompt_len, response_len, finished, features [len-1, H], tapped [len-1, k*H]) per
+    prompt, both float16 numpy (None when not stored)."""
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     width = max(len(p) for p in prompts)
@@ -245,25 +265,25 @@ def _generate_batch(
     for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the same column
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt) :] = 1
-    captured: list[torch.Tensor] = []
-    hook = (
-        model.get_decoder().register_forward_hook(
-            lambda _m, _a, output: captured.append(output.last_hidden_state)
-        )
-        if config.store_features
-        else None
+    sampling = (
+        {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": None}
+        if config.do_sample
+        else {"do_sample": False}
     )
-    try:
-        sampling = (
-            {
-                "do_sample": True,
-                "temperature": config.temperature,
-                "top_p": config.top_p,
-                "top_k": None,
-            }
-            if config.do_sample
-            else {"do_sample": False}
-        )
+    captured: list[torch.Tensor] = []  # per forward: [B, n, H]
+    captured_taps: list[torch.Tensor] = []  # per forward: [B, n, k*H]
+    body = model.get_decoder()
+    taps = LayerTaps(body, config.tap_layers) if config.tap_layers else None
+    with contextlib.ExitStack() as stack:
+        record = stack.enter_context(maybe_capture(taps))
+
+        def keep(_module, _args, output) -> None:  # after each forward: its states, all read
+            captured.append(output.last_hidden_state)
+            if record is not None:
+                captured_taps.append(record.stacked())
+
+        if config.store_features:
+            stack.callback(body.register_forward_hook(keep).remove)
         out = model.generate(
             input_ids.to(model.device),
             attention_mask=attention_mask.to(model.device),
@@ -272,10 +292,8 @@ def _generate_batch(
             pad_token_id=pad,
             **sampling,
         ).cpu()  # [B, width + new]
-    finally:
-        if hook is not None:
-            hook.remove()
     features = torch.cat(captured, dim=1).float().cpu() if captured else None  # [B, width+new-1, H]
+    tapped = torch.cat(captured_taps, dim=1).float().cpu() if captured_taps else None
     rows = []
     for row, prompt in enumerate(prompts):
         response = out[row, width:].tolist()
@@ -283,12 +301,25 @@ def _generate_batch(
         finished = bool(ends)
         response = response[: ends[0] + 1] if finished else response
         ids = list(prompt) + response
-        feats = None
-        if features is not None:
-            offset = width - len(prompt)
-            feats = features[row, offset : offset + len(ids) - 1].to(torch.float16).numpy()
-        rows.append((ids, len(prompt), len(response), finished, feats))
+        offset = width - len(prompt)
+        kept = slice(offset, offset + len(ids) - 1)
+        feats = None if features is None else features[row, kept].to(torch.float16).numpy()
+        taps_row = None if tapped is None else tapped[row, kept].to(torch.float16).numpy()
+        rows.append((ids, len(prompt), len(response), finished, feats, taps_row))
     return rows
+
+
+def _tapped_schema(layers: tuple[int, ...], hidden: int) -> dict[str, Any] | None:
+    """The `datasets` types of the tapped columns (None without taps)."""
+    if not layers:
+        return None
+    from datasets import Array2D, Value
+    from datasets import Sequence as Seq
+
+    return {
+        "layer_features": Array2D(shape=(None, len(layers) * hidden), dtype="float16"),
+        "layer_ids": Seq(Value("int32")),
+    }
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:

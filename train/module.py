@@ -258,7 +258,7 @@ class HeadsModule(L.LightningModule):
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self._autocast_enabled):
-            return self._heads_loss(batch)
+            return self.heads_loss(batch)
 
     @property
     def _autocast_enabled(self) -> bool:
@@ -266,7 +266,8 @@ class HeadsModule(L.LightningModule):
             return bf16_arithmetic(self.device)
         return self.bf16_autocast == "on"
 
-    def _heads_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+    def heads_loss(self, batch: dict[str, torch.Tensor]) -> LossOutput:
+        """The heads' losses on one batch of rows (in full precision; training autocasts)."""
         if isinstance(self.heads, Eagle3Head):
             layer_states, features = self._eagle3_inputs(batch)  # [B, L-1, k*H], [B, L-1, H]
             mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])

@@ -9,7 +9,8 @@ the shared heads while the adapter's requests draft; see ``selfspec.heads.delta`
 
 1. the adapter is made active through the store (`store.scope(name)`), and the target answers the
    first `--max-prompts` prompts (HF `generate`, through `selfspec.train.distill`); its last hidden
-   states are captured during generation, so the training features are the adapted target's own;
+   states (and, for EAGLE-3 heads, its states entering their target layers) are captured during
+   generation, so the training features are the adapted target's own;
 2. the heads (`--heads`) are fine-tuned for `--max-steps` with the training losses and
    `HeadsModule` of `selfspec train`; the embedding and lm_head they draft through are the base's,
    which are the adapted target's too (adapters on them are refused by the store);
@@ -304,8 +305,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
     heads_dir = _heads_dir(config.heads, is_default)
     old_heads = load_heads(heads_dir, model)  # refuses heads of another base
     kind = read_heads_config(heads_dir)[0].kind
-    if kind is HeadKind.EAGLE3:  # its training reads tapped layers the distilled rows lack
-        raise ValueError(f"{heads_dir}: recalibrating EAGLE-3 heads is not supported yet")
+    # EAGLE-3 heads read the adapted target's states at their layers too: tapped while it answers.
+    tap_layers = tuple(old_heads.config.target_layers or ()) if kind is HeadKind.EAGLE3 else ()
     train_file = Path(config.prompts) if config.prompts else train_prompts_file()
     heldout_file = (
         Path(config.heldout_prompts) if config.heldout_prompts else default_prompts_file()
@@ -332,6 +333,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
                 batch_size=min(16, limit),
                 shard_size=max(limit, 1),
                 store_features=True,
+                tap_layers=tap_layers,
                 on_bad_line=OnBadLine.skip,
             )
             with scope():  # the adapter is active for every forward of the generation
@@ -446,7 +448,8 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
 def agreement(module: HeadsModule, rows: DataLoader) -> Agreement:
     """The heads' loss and top-1/top-5 agreement with the target over `rows`, per position.
 
-    Over the whole vocabulary (not the training's loss vocabulary), so before and after compare."""
+    Over the whole vocabulary (not the training's loss vocabulary), so before and after compare;
+    EAGLE-3 heads over their own draft vocabulary (a delta keeps it: both sides see the same)."""
     heads = module.heads
     was_training = heads.training
     heads.eval()
@@ -455,7 +458,9 @@ def agreement(module: HeadsModule, rows: DataLoader) -> Agreement:
     for batch in rows:
         features = batch["features"].to(module.target.dtype)  # [B, L-1, H]
         mask = response_positions(batch["lengths"], batch["prompt_len"], features.shape[1])
-        if module.kind is HeadKind.MEDUSA:
+        if module.kind is HeadKind.EAGLE3:  # over its own draft vocabulary, which a delta keeps
+            out = module.heads_loss(batch)
+        elif module.kind is HeadKind.MEDUSA:
             out = medusa_loss(heads, module.target.lm_head, features, mask, module.loss_weights)
         else:
             out = eagle_loss(

@@ -236,3 +236,28 @@ def test_learning_rate_and_steps_default_to_what_is_trained() -> None:
         RecalibrateConfig(adapter="a", lr=0.0)
     with pytest.raises(ValueError, match="--max-steps"):
         RecalibrateConfig(adapter="a", max_steps=0)
+
+
+def test_eagle3_heads_recalibrate_with_a_delta_from_the_adapted_targets_layers(
+    setup: dict[str, Path], tiny_target: Path, tmp_path: Path
+) -> None:
+    """EAGLE-3 heads read the target's states at their layers: recalibration taps the adapted
+    target's while it answers (``layer_features``), and their delta learns it, losslessly."""
+    model = load_target(TargetSpec(model=str(tiny_target))).model
+    heads = save_heads(
+        build_heads(heads_config_for(model, HeadKind.EAGLE3)),
+        tmp_path / "eagle3-heads",
+        fingerprint_of(model),
+    )
+    run = argv(tiny_target, setup, "--delta-rank", "4", "--lr", "1e-2", "--out", str(tmp_path))
+    run[run.index("--heads") + 1] = str(heads)
+    run[run.index("--max-steps") + 1] = "30"
+    adapter = make_adapter(tiny_target, setup["root"] / "loud3", seed=4)
+    run[run.index("--adapter") + 1] = "loud3"
+    assert main(run) == 0
+    delta_dir = adapter / "heads-delta"
+    assert json.loads((delta_dir / "delta.json").read_text())["recalibrated_for"] == "loud3"
+    report = json.loads((tmp_path / "recalibration.json").read_text())
+    agreement = report["agreement"]
+    assert agreement["heldout_after"]["top1"] > agreement["heldout_before"]["top1"] + 0.1
+    assert all(row["lossless"] for row in report["rows"])

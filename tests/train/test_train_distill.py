@@ -144,3 +144,30 @@ def test_oversized_settings_are_caught_before_generating(tiny_target: Path, tmp_
     with pytest.raises(MemoryBudgetError, match="batch_size=1000000000"):
         distill(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_tapped_layers_are_the_targets_states_entering_them(
+    tiny_target: Path, tmp_path: Path
+) -> None:
+    """``tap_layers``: each row keeps the states entering those layers at every position, as a
+    teacher-forced forward shows them (HF's ``hidden_states[k]``), left padding notwithstanding."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:6])
+    loaded = load_target(TargetSpec(model=str(tiny_target)))
+    layers = (1, 2)
+    config = DistillConfig(
+        prompts=str(prompts), output=str(tmp_path / "data"), max_new_tokens=10, batch_size=6,
+        tap_layers=layers,
+    )  # fmt: skip
+    distill(config, loaded)
+    data = load_distilled(tmp_path / "data")
+    assert len({row["prompt_len"] for row in data}) > 1  # rows were padded differently
+    for row in data:
+        assert row["layer_ids"] == list(layers)
+        ids = torch.tensor(row["input_ids"])[None, :-1]  # [1, L-1]
+        with torch.no_grad():
+            states = loaded.model(ids, output_hidden_states=True).hidden_states
+        expected = torch.cat([states[k][0] for k in layers], dim=-1)  # [L-1, 2H]
+        stored = torch.tensor(row["layer_features"]).float()  # [L-1, 2H]
+        torch.testing.assert_close(stored, expected, atol=2e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="tap_layers needs store_features"):
+        DistillConfig(prompts="p", output="o", store_features=False, tap_layers=layers)
