@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ COST_SCALE_DECAY = 0.8
 StepScope = Callable[[], contextlib.AbstractContextManager]
 """Makes a context entered around every step of one request (e.g. activating its adapter)."""
 
+Rows = TypeVar("Rows")
+"""A tensor or a numpy array of rows (``split_recorded`` slices either)."""
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -88,7 +91,8 @@ class GenerationConfig:
     """Keep the target's last hidden state at every position of prompt and output (float16, on
     the CPU) and return them as ``GenerationResult.features``: a drafter's training rows for
     this request's adapter, as a by-product of serving it (``selfspec.serve.recalibration``).
-    Speculating requests whose heads read the last hidden state (Medusa, EAGLE) only."""
+    For heads that read tapped layers (EAGLE-3) each position keeps those states too, before the
+    last hidden state. Speculating requests only."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -139,7 +143,8 @@ class GenerationResult:
     features: torch.Tensor | None = None
     """With ``GenerationConfig.record_features``: the target's last hidden state at each
     position of prompt + ``token_ids`` but the last, the features a drafter reads there.
-    # [S + N - 1, H] float16"""
+    # [S + N - 1, H] float16; for heads reading tapped layers (EAGLE-3) # [S + N - 1, k*H + H]:
+    the states entering their k layers, then the last hidden state (``split_recorded``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -197,8 +202,9 @@ class RequestState:
     to the drafter: each one's (features # [A, F], tokens # [A]) of the accepted path, root
     first. The next drafting step advances the draft state over all of them in one call."""
     recorded_features: list[torch.Tensor] | None = None
-    """With ``GenerationConfig.record_features``: the last hidden states of every committed
-    position so far, in order (the prompt's, then each step's accepted path) # [n_i, H] fp16."""
+    """With ``GenerationConfig.record_features``: the last hidden states (after the tapped
+    layers' states, with taps) of every committed position so far, in order (the prompt's, then
+    each step's accepted path) # [n_i, H] or [n_i, k*H + H] fp16."""
     context: ContextIndex | None = None
     """With ``GenerationConfig.context_drafts`` in a speculating request: the prompt and the
     committed tokens, indexed for context drafts."""
@@ -448,8 +454,15 @@ class SpeculativeGenerator:
             # The draft state is built when the request first drafts (``_catch_up``): a request
             # whose rounds never draft (the server's gate under load) never pays for it.
             state.deferred_start = (draft_features, prompt)
-            if config.record_features and progress.taps is None:
-                state.recorded_features = [_recorded(draft_features)]
+            if config.record_features:
+                # With taps, a reused prefix kept only its tapped states: such a request's rows
+                # come out short and are not returned (``_recorded_rows``).
+                recorded = (
+                    draft_features
+                    if progress.taps is None
+                    else torch.cat([torch.cat(progress.tapped), features], dim=-1)
+                )
+                state.recorded_features = [_recorded(recorded)]
         return state
 
     def _cached_prefix(
@@ -683,10 +696,13 @@ class SpeculativeGenerator:
             commit_accepted(state.cache, state.committed_len, verdict.accepted)
             state.committed_len += int(verdict.accepted.shape[0])
             accepted_tokens = tree.tokens[verdict.accepted]  # [A], root first
-        if state.recorded_features is not None:
-            state.recorded_features.append(_recorded(features[verdict.accepted]))
         if config.speculate:
             draft_features = features if state.taps is None else _take_draft_features(state)
+            if state.recorded_features is not None:
+                recorded = (
+                    features if state.taps is None else torch.cat([draft_features, features], -1)
+                )
+                state.recorded_features.append(_recorded(recorded[verdict.accepted]))
             path_features = draft_features[verdict.accepted]  # [A, F]
             if drafted.drafted and not defer_advance:
                 with record_function("selfspec.draft_advance"):
@@ -1001,8 +1017,23 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
 
 
 def _recorded(features: torch.Tensor) -> torch.Tensor:
-    """Features kept for ``GenerationConfig.record_features`` # [n, H] float16 on the CPU."""
+    """Features kept for ``GenerationConfig.record_features`` # [n, F] float16 on the CPU."""
     return features.detach().to("cpu", torch.float16)
+
+
+def split_recorded(features: Rows, layers: int) -> tuple[Rows | None, Rows]:
+    """``GenerationResult.features`` (a tensor or an array) of heads reading ``layers`` tapped
+    layers (0: none) as (the tapped states # [n, layers * H] or None, the last hidden states
+    # [n, H])."""
+    if features.shape[-1] % (layers + 1):
+        raise ValueError(
+            f"recorded features of width {features.shape[-1]} do not hold {layers} tapped "
+            "layer(s) and the last hidden state"
+        )
+    hidden = features.shape[-1] // (layers + 1)
+    if not layers:
+        return None, features
+    return features[..., :-hidden], features[..., -hidden:]
 
 
 def _recorded_rows(state: RequestState, prompt_len: int) -> torch.Tensor | None:

@@ -3,9 +3,10 @@
 An adapter the drift monitor flags (``serve.drift``: its draft acceptance fell below the
 threshold share of the base's) speculates poorly with the shared heads. Its own served outputs
 are exact training rows for a draft delta: every token is what the adapted target produced, and
-the target's last hidden states at each position, what the heads read, were computed anyway by
-the verification forwards. So while an adapter is flagged, its speculating requests record them
-(``GenerationConfig.record_features``) and this class gathers them:
+the target's last hidden states at each position, what the heads read (and, for EAGLE-3 heads,
+its states entering their layers), were computed anyway by the verification forwards. So while
+an adapter is flagged, its speculating requests record them (``GenerationConfig.record_features``)
+and this class gathers them:
 
 1. **collect**: up to ``conversations`` finished requests of one adapter at a time (prompt +
    output ids and their float16 features, each cut to ``max_tokens``);
@@ -45,7 +46,8 @@ from typing import Literal
 
 import numpy as np
 
-from selfspec.generation import GenerationResult
+from selfspec.generation import GenerationResult, split_recorded
+from selfspec.heads.checkpoint import read_heads_config
 from selfspec.serve.drift import DriftMonitor
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class Outcome:
 class _Row:
     input_ids: list[int]
     prompt_len: int
-    features: np.ndarray  # [len - 1, H] float16
+    features: np.ndarray  # [len - 1, H] float16; EAGLE-3: [len - 1, k*H + H], taps first
 
 
 @dataclass
@@ -288,6 +290,7 @@ class ServedRecalibrator:
 
     def _run_job(self, job_dir: Path, rows: list[_Row], current: Path | None) -> dict:
         """Write the rows and the job file, run the training process, read its report."""
+        from selfspec.train.distill import tapped_schema
         from selfspec.train.rows_job import REPORT_FILE, RowsJob
         from selfspec.train.shards import shard_dir, write_shard
 
@@ -296,18 +299,26 @@ class ServedRecalibrator:
             "train": [row for i, row in enumerate(rows) if i % every],
             "heldout": [row for i, row in enumerate(rows) if not i % every],
         }
-        width = rows[0].features.shape[-1]
+        # EAGLE-3 heads read the target's states at these layers; served requests record them.
+        layers = tuple(read_heads_config(self.heads_dir)[0].target_layers or ())
+        width = rows[0].features.shape[-1] // (len(layers) + 1)  # H
         for part, chosen in parts.items():
+            split = [split_recorded(row.features, len(layers)) for row in chosen]  # (taps, last)
             columns = {
                 "input_ids": [row.input_ids for row in chosen],
                 "prompt_len": [row.prompt_len for row in chosen],
                 "response_len": [len(row.input_ids) - row.prompt_len for row in chosen],
                 "finished": [True] * len(chosen),
                 "source_index": list(range(len(chosen))),
-                "features": [row.features for row in chosen],
+                "features": [last for _, last in split],
             }
+            extra = None
+            if layers:  # EAGLE-3 heads: the states entering their layers, as training reads them
+                columns["layer_features"] = [tapped for tapped, _ in split]
+                columns["layer_ids"] = [list(layers)] * len(chosen)
+                extra = tapped_schema(layers, width)
             meta = {"key": "served-outputs", "rows": len(chosen)}
-            write_shard(shard_dir(job_dir / part, 0), columns, meta, features=width)
+            write_shard(shard_dir(job_dir / part, 0), columns, meta, features=width, extra=extra)
         policy = self.policy
         RowsJob(  # validated here, read back by the training process
             heads=str(self.heads_dir),

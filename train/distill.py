@@ -155,7 +155,7 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
                 "seconds": round(time.perf_counter() - shard_started, 2),
             },
             features=hidden,
-            extra=_tapped_schema(config.tap_layers, hidden),
+            extra=tapped_schema(config.tap_layers, hidden),
         )
         done += 1
         tokens += produced
@@ -309,7 +309,7 @@ def _generate_batch(
     return rows
 
 
-def _tapped_schema(layers: tuple[int, ...], hidden: int) -> dict[str, Any] | None:
+def tapped_schema(layers: tuple[int, ...], hidden: int) -> dict[str, Any] | None:
     """The `datasets` types of the tapped columns (None without taps)."""
     if not layers:
         return None

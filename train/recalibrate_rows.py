@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from selfspec.atomic import write_text_atomic
-from selfspec.heads import HeadKind, load_heads
+from selfspec.heads import load_heads
 from selfspec.heads.checkpoint import read_heads_config
 from selfspec.heads.delta import DeltaBank, DeltaConfig, load_delta
 from selfspec.target import TargetSpec
@@ -76,8 +76,6 @@ def recalibrate_rows(job: RowsJob) -> RowsVerdict:
     started = time.perf_counter()
     torch.set_num_threads(job.threads)
     kind = read_heads_config(Path(job.heads))[0].kind
-    if kind is HeadKind.EAGLE3:  # its rows need the tapped layers, which serving does not keep
-        raise ValueError(f"{job.heads}: recalibrating EAGLE-3 heads from rows is not supported")
     module = HeadsModule(
         target=TargetSpec(model=job.model, dtype="float32", threads=job.threads),
         kind=kind.value,

@@ -151,3 +151,42 @@ def test_bad_policies_and_flags_are_refused() -> None:
         ServeArgs(recalibrate="yes")
     with pytest.raises(ValueError, match="needs draft heads"):
         ServeArgs(recalibrate="drift", heads="none")
+
+
+def test_eagle3_heads_recalibrate_from_the_tapped_states_requests_record(tmp_path: Path) -> None:
+    """EAGLE-3 heads read the target's states at their layers: a served request records them
+    beside the last hidden state, and the training process fits a delta on both."""
+    from selfspec.generation import GenerationConfig, SpeculativeGenerator
+    from selfspec.heads import load_heads
+    from selfspec.target import TargetSpec, load_target
+
+    target_dir, _ = _lively_target(tmp_path)
+    target = load_target(TargetSpec(model=str(target_dir)))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        heads = build_heads(heads_config_for(target.model, "eagle3"))
+    heads_dir = save_heads(heads, tmp_path / "eagle3", fingerprint_of(target.model))
+    generator = SpeculativeGenerator(target.model, load_heads(heads_dir, target.model))
+    installed = []
+    recalibrator = ServedRecalibrator(
+        RecalibrationPolicy(trigger="always", conversations=4, steps=3, min_gain=0.0),
+        heads_dir,
+        model=str(target_dir),
+        drift=DriftMonitor("base", DriftConfig()),
+        install=lambda adapter, directory: installed.append((adapter, directory)),
+        current_delta=lambda adapter: None,
+        work_root=tmp_path,
+    )
+    assert recalibrator.wants("attn")
+    config = GenerationConfig(max_new_tokens=16, stop_token_ids=(), record_features=True)
+    for first in range(4):
+        prompt = [first + 1, 5, 9, 14, 3]
+        recalibrator.collect("attn", prompt, generator.generate(prompt, config))
+    assert recalibrator.wait_idle(240)
+    (outcome,) = recalibrator.outcomes
+    assert outcome.outcome in ("swapped", "kept"), outcome.detail
+    assert (outcome.report["train_rows"], outcome.report["heldout_rows"]) == (3, 1)
+    assert outcome.report["steps"] == 3
+    swapped = outcome.outcome == "swapped"
+    assert [adapter for adapter, _ in installed] == (["attn"] if swapped else [])
+    recalibrator.close()
