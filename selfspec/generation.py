@@ -1038,7 +1038,7 @@ def split_recorded(features: Rows, layers: int) -> tuple[Rows | None, Rows]:
 
 def _recorded_rows(state: RequestState, prompt_len: int) -> torch.Tensor | None:
     """The recorded features of the prompt and the kept output but its last token
-    # [S + N - 1, H], or None when none were recorded."""
+    # [S + N - 1, F], or None when none were recorded."""
     if state.recorded_features is None:
         return None
     rows = prompt_len + len(state.token_ids) - 1
