@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from tqdm import tqdm
 from selfspec.adapters.prompts import default_prompts_file, read_prompt_file
 from selfspec.adapters.shipped import examples_root
 from selfspec.atomic import write_text_atomic
-from selfspec.cost_curve import cpu_flags
+from selfspec.reports import machine_record
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 
@@ -224,8 +223,9 @@ def _markdown(r: dict) -> str:
 
 
 def _machine() -> str:
-    flags = " ".join(cpu_flags()) or "no AVX flags read"
-    return f"{platform.machine()}, {flags}, torch {torch.__version__}, fp32"
+    machine = machine_record()
+    flags = " ".join(machine["flags"]) or "no AVX flags read"
+    return f"{machine['cpu']}, {flags}, {machine['threads']} torch threads, fp32"
 
 
 if __name__ == "__main__":

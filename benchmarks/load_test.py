@@ -43,12 +43,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from selfspec.atomic import write_text_atomic
 from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.modes import ACTIVATION_NAMES
+from selfspec.reports import machine_record, write_report
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.serve.metrics import ServerMetrics
@@ -408,14 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": asdict(config),
         "models": models,
         "tree": "auto (adaptive, this machine's cost curve)",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_model(),
-            "cpu_flags": cpu_flags(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-        },
+        "machine": {"platform": platform.platform(), **machine_record()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": rows,
         "requests": [
@@ -424,10 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in cell.samples
         ],
     }
-    write_text_atomic(args.out / "load_test.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(args.out / "load_test.md", table)
     print(f"{cpu_model()} (flags: {' '.join(cpu_flags())}), {config.threads} torch threads")
-    print(table)
+    write_report(args.out, report, table, stem="load_test")
     print(f"wrote {args.out / 'load_test.json'} and {args.out / 'load_test.md'}")
     return 0
 

@@ -16,7 +16,6 @@ import argparse
 import collections
 import inspect
 import json
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import httpx
 import torch
 
 from selfspec.atomic import write_text_atomic
+from selfspec.reports import machine_record
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.target import apply_chat_template
@@ -67,11 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/prefix_ttft"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    flags = sorted(
-        f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-        if f in Path("/proc/cpuinfo").read_text()
-    )  # fmt: skip
-    print(f"CPU flags: {' '.join(flags)}; torch threads {args.threads}", flush=True)
+    machine = machine_record()
+    print(f"{machine['cpu']} (flags: {' '.join(machine['flags'])}); torch threads {args.threads}")
     states = {
         "cached": build_state(ServeArgs(threads=args.threads, prefix_cache_mb=512)),
         "uncached": build_state(ServeArgs(threads=args.threads, prefix_cache_mb=0)),
@@ -102,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_tokens = len(apply_chat_template(tokenizer, messages))
     p50 = {name: statistics.median(values) for name, values in seconds.items()}
     result = {
-        "cpu_flags": flags,
-        "machine": platform.processor() or platform.machine(),
-        "threads": args.threads,
+        "machine": machine,
         "prompt_tokens": prompt_tokens,
         "rounds": args.rounds,
         "first_request_s": first,
