@@ -144,6 +144,10 @@ class HeadsModule(L.LightningModule):
                     f"init_from {init_from} reads target layers {saved_layers}, "
                     f"not {list(target_layers)}"
                 )
+            if isinstance(self.heads, Eagle3Head):
+                # Their own lm_head rows are their draft vocabulary's, kept when continued
+                # (``_setup_eagle3_vocab``): losses read before ``setup`` already use it.
+                self.loss_vocab = self.heads.draft_vocab
         else:
             overrides: dict[str, Any] = {"num_heads": num_heads, "num_layers": num_layers}
             if target_layers is not None:

@@ -243,12 +243,17 @@ def test_eagle3_heads_recalibrate_with_a_delta_from_the_adapted_targets_layers(
 ) -> None:
     """EAGLE-3 heads read the target's states at their layers: recalibration taps the adapted
     target's while it answers (``layer_features``), and their delta learns it, losslessly."""
-    model = load_target(TargetSpec(model=str(tiny_target))).model
-    heads = save_heads(
+    from selfspec.heads.eagle3 import with_eagle3_draft_vocab
+
+    target = load_target(TargetSpec(model=str(tiny_target)))
+    model = target.model
+    # Drafting from the even token ids: its own lm_head rows are those tokens'.
+    drafting = with_eagle3_draft_vocab(
         build_heads(heads_config_for(model, HeadKind.EAGLE3)),
-        tmp_path / "eagle3-heads",
-        fingerprint_of(model),
+        torch.arange(0, VOCAB, 2),
+        model.get_output_embeddings(),
     )
+    heads = save_heads(drafting, tmp_path / "eagle3-heads", fingerprint_of(model))
     run = argv(tiny_target, setup, "--delta-rank", "4", "--lr", "1e-2", "--out", str(tmp_path))
     run[run.index("--heads") + 1] = str(heads)
     run[run.index("--max-steps") + 1] = "30"
