@@ -125,7 +125,7 @@ def distill(config: DistillConfig, loaded: LoadedTarget | None = None) -> Distil
         raise PromptsError(f"prompts {config.prompts} has no prompt within max_prompt_tokens")
     longest = max(len(ids) for _, ids in encoded) + config.max_new_tokens
     check_fits(
-        _generation_bytes(model, config.batch_size, longest),
+        _generation_bytes(model, config.batch_size, longest, len(config.tap_layers)),
         model.device,
         f"distill batch_size={config.batch_size} x {longest} tokens",
     )
@@ -202,8 +202,9 @@ def _settings(config: DistillConfig, loaded: LoadedTarget) -> dict[str, Any]:
     }
 
 
-def _generation_bytes(model: torch.nn.Module, batch: int, length: int) -> int:
-    """KV cache + captured features + one step's logits, all float32."""
+def _generation_bytes(model: torch.nn.Module, batch: int, length: int, taps: int = 0) -> int:
+    """KV cache + captured features (the last hidden state and ``taps`` tapped layers' states)
+    + one step's logits, all float32."""
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 1)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
@@ -211,7 +212,7 @@ def _generation_bytes(model: torch.nn.Module, batch: int, length: int) -> int:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     kv = 2 * layers * kv_heads * (hidden // heads)
     vocab = model.get_output_embeddings().weight.shape[0]
-    return 4 * batch * (length * (kv + hidden) + 2 * vocab)
+    return 4 * batch * (length * (kv + (1 + taps) * hidden) + 2 * vocab)
 
 
 @torch.no_grad()
