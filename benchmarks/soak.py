@@ -46,8 +46,9 @@ class SoakConfig:
     duration: float = 1800.0
     """Seconds the clients keep sending (a request under way then finishes)."""
     clients: int = 4
-    warmup: float = 120.0
-    """Seconds before the RSS baseline is taken (caches, adapters and cost curves fill)."""
+    warmup: float = 300.0
+    """Seconds before the RSS baseline is taken (caches, adapters and cost curves fill: ~3 min
+    for the default server with 4 clients)."""
     sample_every: float = 5.0
     max_tokens: int = 64
 
@@ -97,8 +98,8 @@ def one_request(client: httpx.Client, model: str, prompt: str, index: int, max_t
         body["seed"] = index
     if chat:
         route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
-    else:
-        route, body["prompt"] = "/v1/completions", prompt
+    else:  # a raw prompt often ends at once in an instruct model: run it to max_tokens
+        route, body["prompt"], body["ignore_eos"] = "/v1/completions", prompt, True
     kind = ("chat" if chat else "completion") + ("+stream" if stream else "")
     started = time.perf_counter()
     if not stream:
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--warmup", type=float, default=120.0, help="seconds before the baseline")
+    parser.add_argument("--warmup", type=float, default=300.0, help="seconds before the baseline")
     parser.add_argument("--sample-every", type=float, default=5.0, help="RSS sampling, seconds")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="the server's torch threads")

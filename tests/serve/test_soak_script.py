@@ -27,7 +27,10 @@ def test_a_short_soak_sends_every_kind_counts_errors_and_summarizes(server_for, 
         r for r in report["request_log"] if r["kind"].endswith("+stream") and r["status"] == "200"
     ]
     assert streamed and all(r["first_token_seconds"] is not None for r in streamed)
-    assert all(r["tokens"] > 0 for r in report["request_log"] if r["status"] == "200")
+    # Every answered request ran to max_tokens (completions ignore EOS; the tiny chat model
+    # rarely ends early): the soak's load is what it says.
+    done = [r for r in report["request_log"] if r["status"] == "200"]
+    assert sum(r["tokens"] == config.max_tokens for r in done) >= 0.9 * len(done)
     assert report["rss_mb"]["min"] <= report["rss_mb"]["warmup_end"] <= report["rss_mb"]["max"]
     assert report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     table = soak.markdown(report)
