@@ -274,7 +274,8 @@ class RecalibrationReport:
             )
         lines += [
             "",
-            "Heads vs the adapted target, teacher-forced on distilled rows (whole vocabulary):",
+            "Heads vs the adapted target, teacher-forced on distilled rows (whole vocabulary; "
+            "EAGLE-3 heads: their draft vocabulary):",
             "",
             "| rows | loss before | loss after | top-1 before | top-1 after |",
             "|---|---|---|---|---|",
