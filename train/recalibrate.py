@@ -64,6 +64,7 @@ from selfspec.shipped import resolve_heads_dir
 from selfspec.target import TargetSpec, load_target
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.distill import DistillConfig, distill
+from selfspec.train.eagle3_loss import TTTConfig
 from selfspec.train.losses import eagle_loss, medusa_loss, response_positions
 from selfspec.train.module import HeadsModule, OptimConfig
 from selfspec.train.prompts import OnBadLine, read_prompts
@@ -129,7 +130,12 @@ class RecalibrateConfig:
     )
     warmup_steps: int = field(default=5, metadata={"help": "linear warmup steps"})
     eagle_depth: int = field(
-        default=2, metadata={"help": "EAGLE draft depths simulated per training step"}
+        default=2,
+        metadata={
+            "help": "draft depths simulated per training step (EAGLE's depth; EAGLE-3's "
+            "training-time test steps: the shared heads trained all 7, a delta corrects the "
+            "first ones at a fraction of the time)"
+        },
     )
     loss_vocab_size: int | None = field(
         default=8192,
@@ -349,6 +355,7 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             loss_vocab_size=config.loss_vocab_size or None,
             optim=OptimConfig(lr=config.learning_rate, warmup_steps=config.warmup_steps),
             eagle_depth=config.eagle_depth,
+            ttt=recalibration_ttt(kind, config.eagle_depth),
             delta=delta,
         )
         data = DistilledDataModule(
@@ -443,6 +450,12 @@ def recalibrate(config: RecalibrateConfig) -> RecalibrationReport:
             **machine(),
         },
     )
+
+
+def recalibration_ttt(kind: HeadKind, depth: int) -> TTTConfig | None:
+    """EAGLE-3 heads' training-time test when recalibrating: ``depth`` unrolled steps (None for
+    other heads, which take ``eagle_depth``)."""
+    return TTTConfig(steps=depth) if kind is HeadKind.EAGLE3 else None
 
 
 @torch.no_grad()

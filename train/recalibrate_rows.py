@@ -34,7 +34,7 @@ from selfspec.heads.delta import DeltaBank, DeltaConfig, load_delta
 from selfspec.target import TargetSpec
 from selfspec.train.datamodule import DistilledDataModule
 from selfspec.train.module import HeadsModule, OptimConfig
-from selfspec.train.recalibrate import Agreement, agreement, fit_for_steps
+from selfspec.train.recalibrate import Agreement, agreement, fit_for_steps, recalibration_ttt
 from selfspec.train.rows_job import DELTA_SUBDIR, REPORT_FILE, RowsJob
 
 
@@ -82,6 +82,7 @@ def recalibrate_rows(job: RowsJob) -> RowsVerdict:
         init_from=job.heads,
         optim=OptimConfig(lr=job.lr, warmup_steps=min(5, job.steps // 4)),
         eagle_depth=job.eagle_depth,
+        ttt=recalibration_ttt(kind, job.eagle_depth),
         delta=DeltaConfig(rank=job.rank, alpha=job.alpha),
     )
     data = DistilledDataModule(
