@@ -33,6 +33,10 @@ class DriftConfig:
     """Steps both the adapter and the base need before a score is given (~4 requests of 64
     tokens; with 50, a mild adapter was flagged on its first request: score 0.45)."""
     depths: int = 3
+    recover_margin: float = 0.05
+    """A flagged adapter is cleared only at ``threshold + recover_margin``: one whose score hovers
+    at the threshold stays flagged instead of warning at every crossing (a soak saw `docs` at
+    0.78-0.79 warned three times)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.threshold <= 1 or not 0 < self.alpha <= 1:
@@ -41,6 +45,8 @@ class DriftConfig:
             )
         if self.min_steps < 1 or self.depths < 1:
             raise ValueError("min_steps and depths must be >= 1")
+        if self.recover_margin < 0:
+            raise ValueError(f"recover_margin must be >= 0, got {self.recover_margin}")
 
 
 @dataclass
@@ -138,6 +144,8 @@ class DriftMonitor:
                     self.config.threshold,
                     name,
                 )
-            elif score >= self.config.threshold and name in self._flagged:
+            elif score >= self.config.threshold + self.config.recover_margin and (
+                name in self._flagged
+            ):
                 self._flagged.discard(name)
                 logger.info("adapter %r recovered: %.2f of the base's acceptance", name, score)

@@ -34,6 +34,26 @@ def test_an_adapter_below_the_threshold_is_flagged_once_and_cleared(caplog) -> N
     assert monitor.score("shout") is None and "shout" not in monitor.labels()
 
 
+def test_an_adapter_hovering_at_the_threshold_warns_once(caplog) -> None:
+    """Cleared only at threshold + recover_margin: a score going 0.79, 0.81, 0.79 ... stays one
+    flag and one warning."""
+    # alpha tiny: every step weighs alike, so a score is the share of steps accepted
+    monitor = DriftMonitor("base", DriftConfig(threshold=0.8, alpha=1e-6, min_steps=1, depths=1))
+    monitor.observe("base", _steps([1] * 10, depth=1))  # base: accepted at depth 1 always
+    with caplog.at_level(logging.WARNING, logger="selfspec.serve.drift"):
+        for rate in (0.79, 0.81, 0.79, 0.82, 0.78):
+            monitor._seen.pop("docs", None)  # each score exactly ``rate``: a fresh average
+            monitor.observe(
+                "docs", _steps([1] * round(rate * 100) + [0] * round(100 - rate * 100), 1)
+            )
+            assert monitor.score("docs") == pytest.approx(rate, abs=0.02)
+            assert monitor.flagged() == {"docs"}
+    assert sum("docs" in r.getMessage() for r in caplog.records) == 1
+    monitor._seen.pop("docs")
+    monitor.observe("docs", _steps([1] * 86 + [0] * 14, depth=1))  # 0.86 >= 0.8 + 0.05
+    assert monitor.flagged() == set()
+
+
 def test_a_mild_adapter_is_not_flagged_and_the_base_has_no_score() -> None:
     monitor = DriftMonitor("base", DriftConfig(threshold=0.8, min_steps=10))
     monitor.observe("base", _steps([2, 3] * 20))
@@ -45,6 +65,8 @@ def test_a_mild_adapter_is_not_flagged_and_the_base_has_no_score() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="threshold"):
         DriftConfig(threshold=1.5)
+    with pytest.raises(ValueError, match="recover_margin"):
+        DriftConfig(recover_margin=-0.1)
 
 
 def test_the_server_exports_acceptance_averages_per_adapter(server_for) -> None:
