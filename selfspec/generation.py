@@ -421,8 +421,9 @@ class SpeculativeGenerator:
         features = torch.cat(progress.features)  # [S - reused, H]
         with record_function("selfspec.prefill"):
             logits = self.target.logits(features[-1])  # [vocab]
+        tapped = None if progress.taps is None else torch.cat(progress.tapped)  # [S - reused, kH]
         # What the drafter reads: the last hidden states, or the tapped layers # [S, F]
-        draft_features = features if progress.taps is None else torch.cat(progress.tapped)
+        draft_features = features if tapped is None else tapped
         if reuse is not None and reuse.features is not None:
             draft_features = torch.cat([reuse.features, draft_features])
         namespace = self._prefix_namespace(config, cache)
@@ -457,12 +458,8 @@ class SpeculativeGenerator:
             if config.record_features:
                 # With taps, a reused prefix kept only its tapped states: such a request's rows
                 # come out short and are not returned (``_recorded_rows``).
-                recorded = (
-                    draft_features
-                    if progress.taps is None
-                    else torch.cat([torch.cat(progress.tapped), features], dim=-1)
-                )
-                state.recorded_features = [_recorded(recorded)]
+                last = draft_features if tapped is None else features  # [S (- reused), H]
+                state.recorded_features = [_recorded(last, tapped)]
         return state
 
     def _cached_prefix(
@@ -699,10 +696,8 @@ class SpeculativeGenerator:
         if config.speculate:
             draft_features = features if state.taps is None else _take_draft_features(state)
             if state.recorded_features is not None:
-                recorded = (
-                    features if state.taps is None else torch.cat([draft_features, features], -1)
-                )
-                state.recorded_features.append(_recorded(recorded[verdict.accepted]))
+                tapped = None if state.taps is None else draft_features[verdict.accepted]
+                state.recorded_features.append(_recorded(features[verdict.accepted], tapped))
             path_features = draft_features[verdict.accepted]  # [A, F]
             if drafted.drafted and not defer_advance:
                 with record_function("selfspec.draft_advance"):
@@ -1016,9 +1011,12 @@ def _first_stop(text: str, stops: tuple[str, ...], checked_up_to: int) -> int | 
     return found
 
 
-def _recorded(features: torch.Tensor) -> torch.Tensor:
-    """Features kept for ``GenerationConfig.record_features`` # [n, F] float16 on the CPU."""
-    return features.detach().to("cpu", torch.float16)
+def _recorded(features: torch.Tensor, tapped: torch.Tensor | None = None) -> torch.Tensor:
+    """Features kept for ``GenerationConfig.record_features``: the last hidden states
+    ``features`` # [n, H], after the ``tapped`` layers' states # [n, k*H] where the heads read
+    some (``split_recorded`` takes them apart) # [n, F], float16 on the CPU."""
+    rows = features if tapped is None else torch.cat([tapped, features], dim=-1)
+    return rows.detach().to("cpu", torch.float16)
 
 
 def split_recorded(features: Rows, layers: int) -> tuple[Rows | None, Rows]:
