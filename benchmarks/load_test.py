@@ -42,12 +42,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
-from selfspec.cost_curve import cpu_flags, cpu_model
 from selfspec.modes import ACTIVATION_NAMES
-from selfspec.reports import machine_record, write_report
+from selfspec.reports import machine_record, percentile, write_report
 from selfspec.serve.background import running_server
 from selfspec.serve.cli import ServeArgs, build_state
 from selfspec.serve.metrics import ServerMetrics
@@ -268,10 +266,6 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def summarize(cell: Cell, references: dict[tuple[str, int], str]) -> dict[str, object]:
     ok = [s for s in cell.samples if s.status == "200"]
     ttfts = [s.ttft for s in ok if s.ttft is not None]
@@ -416,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             for s in cell.samples
         ],
     }
-    print(f"{cpu_model()} (flags: {' '.join(cpu_flags())}), {config.threads} torch threads")
+    machine = report["machine"]
+    print(f"{machine['cpu']} (flags: {' '.join(machine['flags'])}), {config.threads} torch threads")
     write_report(args.out, report, table, stem="load_test")
     print(f"wrote {args.out / 'load_test.json'} and {args.out / 'load_test.md'}")
     return 0

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from selfspec.reports import machine_record, write_report
+from selfspec.reports import machine_record, percentile, write_report
 
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 REQUEST_TIMEOUT_S = 300.0
@@ -189,13 +189,6 @@ def soak(url: str, pid: int, models: list[str], prompts: list[str], config: Soak
     return summarize(log, config)
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def summarize(log: SoakLog, config: SoakConfig) -> dict:
     """RSS after warm-up against its value at the end of warm-up, errors, latency."""
     after = [(t, b) for t, b in log.rss if t >= config.warmup]
@@ -223,8 +216,8 @@ def summarize(log: SoakLog, config: SoakConfig) -> dict:
         },
         "rss_max_deviation_pct": 100 * deviation,
         "rss_within_5pct": deviation <= 0.05,
-        "latency_s": {q: _percentile(seconds, float(q[1:])) for q in ("p50", "p95", "p99")},
-        "first_token_s": {q: _percentile(firsts, float(q[1:])) for q in ("p50", "p95", "p99")},
+        "latency_s": {q: percentile(seconds, float(q[1:])) for q in ("p50", "p95", "p99")},
+        "first_token_s": {q: percentile(firsts, float(q[1:])) for q in ("p50", "p95", "p99")},
         "output_tokens_per_s": sum(r.tokens for r in measured) / span if span > 0 else 0.0,
         "rss_samples": [(round(t, 1), b) for t, b in log.rss],
         "request_log": [asdict(r) for r in log.requests],

@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from selfspec.atomic import write_text_atomic
@@ -25,6 +26,11 @@ def machine_record() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values`` (linear interpolation), None for no values."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def write_report(out: Path, report: dict[str, Any], table: str, stem: str = "results") -> None:
