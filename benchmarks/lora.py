@@ -41,6 +41,7 @@ from transformers import DynamicCache
 
 from selfspec.adapters.store import AdapterStore, LoraBackend, StoreConfig
 from selfspec.atomic import write_text_atomic
+from selfspec.reports import rss_bytes
 from selfspec.target import TargetSpec, load_target
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "adapters" / "examples"
@@ -48,14 +49,6 @@ EXAMPLE_NAMES = ("code", "docs", "persona", "shout")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CACHE_TOKENS = 32
 TREE_TOKENS = 64
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process, from /proc (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def synthesize_adapter(model: torch.nn.Module, path: Path, seed: int, rank: int = 16) -> Path:

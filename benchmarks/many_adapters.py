@@ -65,6 +65,7 @@ from selfspec.heads.delta import (
     save_delta,
 )
 from selfspec.kv_commit import drop_uncommitted
+from selfspec.reports import rss_bytes
 from selfspec.serve.app import ServerState
 from selfspec.tree import DynamicTree
 
@@ -191,15 +192,12 @@ def adapter_name(index: int) -> str:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
+def trimmed_rss_bytes() -> int:
     """Resident set size of this process, after handing freed heap back to the OS (glibc)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return rss_bytes()
 
 
 def quantiles(seconds: Sequence[float]) -> dict[str, float]:
@@ -407,7 +405,7 @@ def run(
         f"({synthesis['seconds']:.1f} s)")  # fmt: skip
     shared = copy.deepcopy(heads)  # before the delta bank wraps the heads' layers
     names = [adapter_name(i) for i in range(spec.num_adapters)]
-    rss = {"start": rss_bytes()}
+    rss = {"start": trimmed_rss_bytes()}
 
     started = time.perf_counter()
     store = AdapterStore(
@@ -417,7 +415,7 @@ def run(
         base_name=model_name,
     )
     register_seconds = time.perf_counter() - started
-    rss["registered"] = rss_bytes()
+    rss["registered"] = trimmed_rss_bytes()
     log(f"registered {len(store.names())} adapters in {register_seconds:.2f} s")
     state = ServerState(
         generator=SpeculativeGenerator(model, heads, tokenizer),
@@ -429,7 +427,7 @@ def run(
 
     # LoRA weights first: the resident set fills, then every further load evicts one.
     lora_loads = [timed(lambda n=name: store.load(n)) for name in names]
-    rss["loras"] = rss_bytes()
+    rss["loras"] = trimmed_rss_bytes()
     resident = list(store.resident())
     log(f"loaded every LoRA once: median {statistics.median(lora_loads) * 1e3:.1f} ms, "
         f"{len(resident)} resident ({store.lora_bytes / 2**20:.0f} MiB)")  # fmt: skip
@@ -443,10 +441,10 @@ def run(
     for count, name in enumerate(order, start=1):
         delta_loads.append(timed(lambda n=name: state.generator_for(n)))
         if count in checkpoints:
-            rss_curve.append((count, rss_bytes()))
+            rss_curve.append((count, trimmed_rss_bytes()))
             switch_at[count] = quantiles(switch_seconds(state, resident, settings.switch_repeats))
             log(f"{count} deltas: switch median {switch_at[count]['median_ms'] * 1e3:.1f} us")
-    rss["deltas"] = rss_bytes()
+    rss["deltas"] = trimmed_rss_bytes()
     bank = state.delta_bank
     batch_scope = quantiles(batch_scope_seconds(store, resident[: settings.batch], 500))
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from selfspec.reports import machine_record, percentile, write_report
+from selfspec.reports import machine_record, percentile, rss_bytes, write_report
 
 HELDOUT = Path(__file__).resolve().parents[1] / "train" / "data" / "prompts_heldout.jsonl"
 REQUEST_TIMEOUT_S = 300.0
@@ -79,14 +79,6 @@ class SoakLog:
     rss: list[tuple[float, int]] = field(default_factory=list)
     """(seconds since the soak began, resident bytes of the server)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def rss_bytes(pid: int) -> int:
-    """The resident set of process ``pid``."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def one_request(client: httpx.Client, model: str, prompt: str, index: int, max_tokens: int):

@@ -28,6 +28,14 @@ def machine_record() -> dict[str, Any]:
     }
 
 
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of process ``pid`` (this one by default), from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The ``q``-th percentile of ``values`` (linear interpolation), None for no values."""
     return float(np.percentile(values, q)) if values else None
