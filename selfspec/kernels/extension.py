@@ -8,8 +8,9 @@ imported, and a failed build never breaks an import: the callers fall back to pu
 
 Environment: ``SELFSPEC_KERNELS=torch`` never loads the extension (the pure-torch fallback, for
 comparison and tests); ``SELFSPEC_KERNEL_ISA=avx2`` forces the AVX2 path on an AVX-512 CPU;
-``SELFSPEC_KERNEL_AMX=0`` keeps the integer-activation formats off the AMX tiles (the same bits
-either way).
+``SELFSPEC_KERNEL_AMX=0`` keeps the integer-activation formats off the AMX tiles, and
+``SELFSPEC_KERNEL_BF16=0`` bf16 weights off AVX-512 BF16's dot products (the same bits either
+way).
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from selfspec.paths import cache_root
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "decoder_layer.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_amx.cpp")
+SOURCES = (
+    "ops.cpp",
+    "decoder_layer.cpp",
+    "isa_avx512.cpp",
+    "isa_avx2.cpp",
+    "isa_amx.cpp",
+    "isa_avx512bf16.cpp",
+)
 HEADERS = ("ops.h", "params.h", "body.h", "vec_avx512.h", "vec_avx2.h")
 # -ffp-contract=off: no multiply-add fused behind our back, so every rounding is the one written.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
@@ -172,6 +180,8 @@ def main() -> None:
     paths = f"built, paths {built.supported_isas()}" if built else "not built: the torch fallback"
     if built and built.amx_ready():
         paths += " + AMX tiles (int8_a8 and the *_a24 formats from 8 rows, q4_1_a8 from 12)"
+    if built and built.bf16_dot_ready():
+        paths += " + AVX-512 BF16 dot products (bf16 weights)"
     print(f"selfspec kernels: {paths}")
 
 

@@ -149,6 +149,82 @@ def test_avx2_and_avx512_paths_give_the_same_bits(
     assert torch.equal(results[0], results[1])
 
 
+def bf16_dot_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 format's documented sum, in plain torch: lane j of 16 takes, for each block of 32
+    (zero-padded), the product of element 2j + 1, then of 2j, each added with one fp32 rounding
+    (the products of bf16 values are exact, so float64 then float32 is that rounding), then the
+    lanes are summed i + i+8, i + i+4, i + i+2, 0 + 1. # [M, N]"""
+    rows, k = x.shape
+    length = (k + 31) // 32 * 32
+    xs = torch.nn.functional.pad(x.double(), (0, length - k))
+    ws = torch.nn.functional.pad(weight.double(), (0, length - k))
+    acc = torch.zeros(rows, weight.shape[0], 16)
+    for start in range(0, length, 32):
+        for parity in (1, 0):
+            lanes = slice(start + parity, start + 32, 2)
+            products = xs[:, None, lanes] * ws[None, :, lanes]
+            acc = (acc.double() + products).float()
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half : 2 * half]
+    return acc[..., 0]
+
+
+def _bf16_dots() -> bool:
+    module = extension.load()
+    return module is not None and module.bf16_dot_ready()
+
+
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize(("k", "n"), [(576, 40), (37, 19), (96, 130), (1536, 9)])
+def test_bf16_weights_sum_in_the_dot_product_order_on_every_path(
+    k: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 weights sum as AVX-512 BF16's dot-product instruction does, so that instruction (where
+    the CPU has it and x holds bf16 values, as a bf16 model's activations do), the AVX-512 and
+    the AVX2 paths' fused multiply-adds give the same bits, those of the documented order; for
+    every row count a tile shape covers (one column up to 8 rows, 12 x 2 up to 32, 4 x 4 beyond)
+    and for rows that are not bf16 values (no dot products then, the same order)."""
+    generator = torch.Generator().manual_seed(k + n)
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    kernel_weight = dense_weight(weight)
+    paths = [("avx512", "1"), ("avx512", "0"), ("avx2", "1")]
+    paths = [(isa, dots) for isa, dots in paths if isa in cpp_paths()]
+    for rows in (1, 3, 8, 9, 31, 33, 64):
+        scaled = torch.randn(rows, k, generator=generator) * torch.logspace(-2, 2, k)
+        for x in (scaled.bfloat16().float(), scaled):
+            expected = bf16_dot_order(x, weight)
+            for isa, dots in paths:
+                monkeypatch.setenv(extension.ISA_ENV, isa)
+                monkeypatch.setenv("SELFSPEC_KERNEL_BF16", dots)
+                out = ops.linear(x, kernel_weight)
+                assert torch.equal(out, expected), f"{rows} rows on {isa}, dot products {dots}"
+                assert torch.equal(ops.linear(x[-1:].contiguous(), kernel_weight)[0], out[-1])
+                chosen = torch.tensor([n - 1, 0, n // 2])
+                assert torch.equal(ops.linear_rows(x, kernel_weight, chosen), out[:, chosen])
+
+
+@pytest.mark.skipif(not _bf16_dots(), reason="no AVX-512 BF16 on this CPU")
+def test_bf16_dot_products_flush_denormals_as_the_other_paths_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The instruction flushes denormal inputs and results to zero; the fused multiply-adds of the
+    other paths run with flush-to-zero and denormals-are-zero set for the call, so a sum that
+    ends below the normal range is 0 on every path (and the setting is restored after)."""
+    tiny = 2.0**-70  # products 2^-140: below fp32's normal range (2^-126)
+    x = torch.full((2, 64), tiny).bfloat16().float()
+    x[1, 0] = 1.0
+    weight = dense_weight(torch.full((3, 64), tiny).bfloat16())
+    outs = []
+    for dots in ("1", "0"):
+        monkeypatch.setenv("SELFSPEC_KERNEL_BF16", dots)
+        outs.append(ops.linear(x, weight))
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][0], torch.zeros(3))
+    assert torch.equal(outs[0][1], torch.full((3,), tiny).bfloat16().float())
+    # Denormals still work outside the call (the thread's setting restored).
+    assert torch.tensor(2.0**-140) * 2 > 0
+
+
 def test_q4_1_dequantizes_as_gguf_does() -> None:
     """(q * d) + m in fp32 with two roundings, GGUF's reference formula (gguf-py)."""
     from gguf import GGMLQuantizationType

@@ -1,12 +1,14 @@
 // The torch-facing side: argument checks, instruction-set dispatch and threads over output
 // columns (linear) or (batch, query, head) items (attention), through torch's own thread pool.
 #include <ATen/Parallel.h>
+#include <xmmintrin.h>
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,9 @@ void quantize_rows_a24(const LinearParams& p, int8_t* xq, float* scales, float* 
 namespace amx {
 void linear_columns_amx(const LinearParams& p, int64_t n_begin, int64_t n_end);
 }  // namespace amx
+namespace avx512bf16 {
+void linear_columns_bf16(const LinearParams& p, int64_t n_begin, int64_t n_end);
+}  // namespace avx512bf16
 namespace avx2 {
 void linear_columns(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch);
 void attention_groups(const AttentionParams& p, int64_t begin, int64_t end, float* scratch);
@@ -48,12 +53,65 @@ bool cpu_has(const char* isa) {
   if (std::string(isa) == "avx512vnni") {
     return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   }
+  if (std::string(isa) == "avx512bf16") {
+    return cpu_has("avx512") && __builtin_cpu_supports("avx512bf16");
+  }
   if (std::string(isa) == "avx2") {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
   }
   return false;
 }
+
+// bf16 dot products (isa_avx512bf16.cpp) for bf16 weights: the CPU has AVX-512 BF16 and
+// SELFSPEC_KERNEL_BF16 is not "0" (read on every call; the same bits either way).
+bool bf16_dot_ready() {
+  const char* env = std::getenv("SELFSPEC_KERNEL_BF16");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return cpu_has("avx512bf16");
+}
+
+// x [M, K] fp32 in the bf16 format's order (params.h): per block of 32, its 16 odd elements then
+// its 16 even ones, zeros to bf16_length(K). With `bits` (may be null): the same rows as bf16 bits
+// in their own order, for the dot-product instruction. Returns whether every element of x is a
+// bf16 value (its low 16 bits zero), i.e. whether `bits` holds x exactly.
+bool bf16_order(const float* x, int64_t M, int64_t K, float* ordered, uint16_t* bits) {
+  const int64_t length = bf16_length(K);
+  uint32_t low_bits = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float* out = ordered + m * length;
+    uint16_t* out_bits = bits ? bits + m * length : nullptr;
+    for (int64_t k = 0; k < length; ++k) {
+      const float value = k < K ? row[k] : 0.0f;
+      const int64_t block = k / 32, j = k % 32;
+      out[32 * block + (j % 2 ? j / 2 : 16 + j / 2)] = value;
+      uint32_t word;
+      std::memcpy(&word, &value, sizeof word);
+      low_bits |= word & 0xFFFFu;
+      if (out_bits) out_bits[k] = static_cast<uint16_t>(word >> 16);
+    }
+  }
+  return low_bits == 0;
+}
+
+// Flush-to-zero and denormals-are-zero for this thread while alive: the bf16 format's arithmetic
+// (vdpbf16ps ignores MXCSR and flushes; every path of the format sets these, so all flush alike).
+class FlushDenormals {
+ public:
+  explicit FlushDenormals(bool on) : saved_(_mm_getcsr()), on_(on) {
+    if (on_) _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+  }
+  ~FlushDenormals() {
+    if (on_) _mm_setcsr(saved_);
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+  bool on_;
+};
 
 // AMX tiles for the integer-activation formats (isa_amx.cpp): the CPU has amx-tile and amx-int8
 // (CPUID leaf 7, EDX bits 24 and 25), Linux grants this process the tile state (arch_prctl), and
@@ -97,6 +155,7 @@ void check_cpu(const torch::Tensor& t, const char* name) {
 
 bool amx_available() { return amx_ready(); }
 bool vnni_available() { return cpu_has("avx512vnni"); }
+bool bf16_dot_available() { return bf16_dot_ready(); }
 
 std::vector<std::string> supported_isas() {
   std::vector<std::string> out;
@@ -268,6 +327,19 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     p.x_sums = s;
     p.x_corr = r;
   }
+  torch::Tensor ordered, bits;  // bf16 weights: x in their order (and as bf16 bits)
+  bool dot_path = false;
+  if (p.format == kBFloat16) {
+    const int64_t length = bf16_length(K);
+    ordered = torch::empty({M, length}, x.options());
+    const bool dots = wide && bf16_dot_ready();
+    if (dots) bits = torch::empty({M, length}, x.options().dtype(torch::kInt16));
+    const bool exact = bf16_order(p.x, M, K, ordered.data_ptr<float>(),
+                                  dots ? reinterpret_cast<uint16_t*>(bits.data_ptr<int16_t>()) : nullptr);
+    p.x = ordered.data_ptr<float>();
+    dot_path = dots && exact;
+    if (dot_path) p.x_bf16 = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+  }
   // The integer-activation formats on AMX tiles from enough rows (the same bits; fewer: VNNI).
   const bool tiles_path =
       wide && integer_activations(p.format) && M >= amx_min_rows(p.format) && amx_ready();
@@ -280,7 +352,9 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_size);
     const int64_t n_end = std::min(N, end * width);
-    if (tiles_path) amx::linear_columns_amx(p, begin * width, n_end);
+    const FlushDenormals flush(p.format == kBFloat16);
+    if (dot_path) avx512bf16::linear_columns_bf16(p, begin * width, n_end);
+    else if (tiles_path) amx::linear_columns_amx(p, begin * width, n_end);
     else if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
     else avx2::linear_columns(p, begin * width, n_end, scratch.data());
   });
@@ -439,6 +513,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(SELFSPEC_KERNEL_AMX=0: off)");
   m.def("vnni_ready", &selfspec_kernels::vnni_available,
         "whether the AVX-512 path has VNNI integer dot products here");
+  m.def("bf16_dot_ready", &selfspec_kernels::bf16_dot_available,
+        "whether bf16 weights with bf16-valued activations run on AVX-512 BF16 dot products "
+        "here (SELFSPEC_KERNEL_BF16=0: off; the same bits either way)");
   m.def("linear", &selfspec_kernels::linear);
   m.def("linear_rows", &selfspec_kernels::linear_rows);
   m.def("attention", &selfspec_kernels::attention);

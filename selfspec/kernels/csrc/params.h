@@ -14,7 +14,12 @@ namespace selfspec_kernels {
 // How a linear layer's weight [N, K] is stored.
 enum WeightFormat : int64_t {
   kFloat32 = 0,   // w: float [N, K]
-  kBFloat16 = 1,  // w: uint16 (bf16 bits) [N, K]
+  kBFloat16 = 1,  // w: uint16 (bf16 bits) [N, K]; summed in AVX-512 BF16's dot-product order:
+                  //    lane j takes elements 32b + 2j + 1, then 32b + 2j, of each block b of 32
+                  //    (fused multiply-adds, denormals flushed as that instruction does), so
+                  //    vdpbf16ps gives the bits of two fmas where the CPU has it. x arrives in
+                  //    that order: per block its 16 odd elements, then its 16 even ones, zeros
+                  //    to bf16_length(K) (bf16_order in ops.cpp)
   kInt8 = 2,      // w: int8 [N, K]; scale: float [N, K / group]; value = q * scale
   kQ4_1 = 3,      // w: uint8 [N, K / 32, 16] (GGUF Q4_1 nibbles: byte j = element j | element j+16
                   //    << 4); scale, min: float [N, K / 32]; value = (q * scale) + min
@@ -54,8 +59,11 @@ SS_INLINE int64_t amx_min_rows(int64_t format) {
   return activation_planes(format) == 3 ? kAmxMinRowsA24 : format == kQ4_1_A8 ? kAmxMinRowsQ4 : kAmxMinRows;
 }
 
+// An x row's length as the bf16 kernels read it: K rounded up to whole blocks of 32.
+SS_INLINE int64_t bf16_length(int64_t K) { return (K + 31) / 32 * 32; }
+
 struct LinearParams {
-  const float* x;        // [M, K] fp32 activations
+  const float* x;        // [M, K] fp32 activations (kBFloat16: [M, bf16_length(K)], reordered)
   const void* w;         // the weight, laid out as `format` says
   const float* scale;    // [N, K / group] (int8, q4_1) or null
   const float* minimum;  // [N, K / 32] (q4_1) or null
@@ -72,6 +80,9 @@ struct LinearParams {
   const float* x_scales;  // [M, K / 32] each block's scale d
   const float* x_sums;    // [M, K / 32] d * the sum of the block's codes (the integers X)
   const int32_t* x_corr;  // [P, M, K / 32] -128 * the sum of each plane's codes (AVX-512 int8)
+  // kBFloat16 where every row of x is bf16-valued and the CPU has AVX-512 BF16: x as bf16 bits
+  // in its own order (isa_avx512bf16.cpp), or null.
+  const uint16_t* x_bf16;  // [M, bf16_length(K)]
 };
 
 struct AttentionParams {
@@ -95,7 +106,8 @@ struct NormParams {
 };
 
 // Scratch a call needs per thread, in floats.
-inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (((p.K + 15) / 16) * 16 + 16); }
+// (4 columns of a row as the tiles read it, rounded up to 32 for bf16, and 16 to spare.)
+inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (bf16_length(p.K) + 16); }
 // Attention: the allowed keys' indices, then every head of a group's scores, then its
 // denominators.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {

@@ -49,6 +49,14 @@ SS_INLINE V vload_bf16(const uint16_t* p) {
   return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+// 32 bf16 values as lane j's pair: `odd` element 2j + 1, `even` element 2j (vec_avx512.h).
+SS_INLINE void vload_bf16_pairs(const uint16_t* p, V& odd, V& even) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i top = _mm256_set1_epi32(int(0xFFFF0000u));
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, top)), _mm256_castsi256_ps(_mm256_and_si256(hi, top))};
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
 SS_INLINE V vload_i8(const int8_t* p) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),

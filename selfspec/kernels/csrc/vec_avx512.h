@@ -71,6 +71,13 @@ SS_INLINE V vload_bf16(const uint16_t* p) {  // 16 bf16 values, exactly widened
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
 }
+// 32 bf16 values as lane j's pair: `odd` element 2j + 1, `even` element 2j, exactly widened
+// (the high half of each 32-bit word is the odd element, already a float's top bits).
+SS_INLINE void vload_bf16_pairs(const uint16_t* p, V& odd, V& even) {
+  const __m512i words = _mm512_loadu_si512(p);
+  odd = {_mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xFFFF0000u))))};
+  even = {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16))};
+}
 SS_INLINE V vload_i8(const int8_t* p) {  // 16 int8 values as floats
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))};
