@@ -9,7 +9,8 @@ depends on nothing but its own inputs:
 - ``ops.linear``: a small-M matrix product (M <= 64 rows is what verification needs; any M
   works) that streams each weight once for all rows, threads over output columns, reads fp32,
   bf16, int8 or 4-bit (GGUF Q4_1) weights and accumulates in fp32, lane k % 16 then a fixed
-  16-lane tree; the AVX-512 and AVX2 paths give the same bits.
+  16-lane tree (bf16 weights: in AVX-512 BF16's dot-product order, which that instruction runs
+  where the CPU has it); the AVX-512 and AVX2 paths give the same bits.
 - ``ops.attention``: each query row visits only the keys its mask allows, in key order, so a
   masked key (another branch of the tree, padding) changes nothing.
 

@@ -10,7 +10,9 @@ in their own dtype.
 
 Modes (what ``TargetSpec.dtype`` names):
 
-- ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32;
+- ``float32`` / ``bfloat16``: the dense weight read in place, products accumulated in fp32
+  (bfloat16: a bf16 model's activations are bf16 values, so where the CPU has AVX-512 BF16 its
+  dot-product instruction computes them, with the bits of the other paths);
   float32 from a GGUF file's blocks (``given``) reads those, dequantized in the kernel, or with
   ``activations="int24"`` computes with each block of 32 activations as 24-bit integers under a
   power-of-two scale (float32-grade, integer dot products: faster on AVX2 and AVX-512 VNNI).
