@@ -351,7 +351,10 @@ def test_a_failing_request_leaves_the_others_running(assets) -> None:
     generator = SpeculativeGenerator(target.model, None, target.tokenizer)
     state = ServerState(generator, target.tokenizer, target.name, store, max_running=2)
     with running_server(state) as (url, _):
-        body = {"model": "attn", "prompt": "abc", **{**LONG, "max_tokens": 60}, "stream": True}
+        # Long enough (480 tokens) that it is still running when the second request arrives: the
+        # server does not wait for the client to read, and 60 tokens of the tiny model could
+        # finish in between.
+        body = {"model": "attn", "prompt": "abc", **LONG, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(lines)
