@@ -84,12 +84,14 @@ class KernelLinear(nn.Linear):
             bias = None if self.bias is None else self.bias.to(dense.dtype)
             out = ops.linear_fallback(rows.to(dense.dtype), dense, bias)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        # A decoding step calls this ~200 times: the kernel takes [..., K] as it is and nothing
-        # is converted that is already fp32 and contiguous.
-        rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        # A decoding step calls this ~200 times: the kernel takes [..., K] as it is, fp32 or
+        # bf16 (a bf16 model's activations, returned in bf16 as .to rounds), and nothing is
+        # converted here that is already one of those and contiguous.
+        native = x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
+        rows = x if native else x.float().contiguous()
         bias = None if self.bias is None else self.bias.float()
-        out = ops.linear(rows, kernel_weight, bias)  # [..., N] float32
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        out = ops.linear(rows, kernel_weight, bias)  # [..., N] in rows' dtype
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def kernel_weight(self) -> KernelWeight:
         """The weight in kernel form, converted again if the dense weight changed since."""

@@ -34,11 +34,12 @@ def kernel_isa() -> str:
 
 
 def linear(
-    x: torch.Tensor,  # [..., K] float32, contiguous
+    x: torch.Tensor,  # [..., K] float32 or bfloat16, contiguous
     weight: KernelWeight,
     bias: torch.Tensor | None = None,  # [N] float32
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` through the C++ kernel. # [..., N] float32"""
+    """``x @ weight.T + bias`` through the C++ kernel, computed in fp32 (a bf16 x: its exact
+    values), returned in x's dtype (bf16 rounded as ``.to(torch.bfloat16)`` rounds). # [..., N]"""
     module = extension.load()
     if module is None:
         raise extension.KernelError("the C++ kernels are not built here; use linear_fallback")

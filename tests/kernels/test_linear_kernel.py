@@ -225,6 +225,27 @@ def test_bf16_dot_products_flush_denormals_as_the_other_paths_do(
     assert torch.tensor(2.0**-140) * 2 > 0
 
 
+@pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_activations_come_back_in_bf16_as_converting_around_the_call(fmt: str) -> None:
+    """A bf16 x (a bf16 model's activations) gives what converting it to fp32 before the call and
+    the result to bf16 after gives, bit for bit: the kernel computes on its exact values and
+    rounds as ``.to(torch.bfloat16)`` does."""
+    weight = make_weight(fmt, 70, 96)
+    generator = torch.Generator().manual_seed(7)
+    bias = torch.randn(70, generator=generator)
+    x = (torch.randn(2, 5, 96, generator=generator) * 3).bfloat16()
+    for rows in (x, x[:1, :1]):
+        out = ops.linear(rows, weight, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (*rows.shape[:-1], 70)
+        assert torch.equal(out, ops.linear(rows.float(), weight, bias).bfloat16())
+    assert ops.linear(x[:, :0], weight).dtype == torch.bfloat16
+    if weight.stored == weight.format:  # a row selection reads plain rows only
+        chosen = torch.tensor([69, 0, 3])
+        selected = ops.linear_rows(x, weight, chosen)
+        assert torch.equal(selected, ops.linear_rows(x.float(), weight, chosen).bfloat16())
+
+
 def test_q4_1_dequantizes_as_gguf_does() -> None:
     """(q * d) + m in fp32 with two roundings, GGUF's reference formula (gguf-py)."""
     from gguf import GGMLQuantizationType
@@ -374,7 +395,7 @@ def test_leading_dimensions_are_rows() -> None:
 @pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")
 def test_the_extension_checks_its_arguments() -> None:
     module = extension.load()
-    with pytest.raises(RuntimeError, match=r"float32 tensor \[\.\.\., K\]"):
+    with pytest.raises(RuntimeError, match=r"float32 or bfloat16 tensor \[\.\.\., K\]"):
         module.linear(
             torch.zeros(2, 4, dtype=torch.float64),
             0,

@@ -71,23 +71,28 @@ bool bf16_dot_ready() {
   return cpu_has("avx512bf16");
 }
 
-// x [M, K] fp32 in the bf16 format's order (params.h): per block of 32, its 16 odd elements then
-// its 16 even ones, zeros to bf16_length(K). With `bits` (may be null): the same rows as bf16 bits
-// in their own order, for the dot-product instruction. Returns whether every element of x is a
-// bf16 value (its low 16 bits zero), i.e. whether `bits` holds x exactly.
-bool bf16_order(const float* x, int64_t M, int64_t K, float* ordered, uint16_t* bits) {
+// x [M, K] (fp32, or bf16 bits when `x_bf16`) as fp32 in the bf16 format's order (params.h): per
+// block of 32, its 16 odd elements then its 16 even ones, zeros to bf16_length(K). With `bits`
+// (may be null): the same rows as bf16 bits in their own order, for the dot-product instruction.
+// Returns whether every element of x is a bf16 value (its low 16 bits zero), i.e. whether `bits`
+// holds x exactly.
+bool bf16_order(const void* x, bool x_bf16, int64_t M, int64_t K, float* ordered, uint16_t* bits) {
   const int64_t length = bf16_length(K);
   uint32_t low_bits = 0;
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
     float* out = ordered + m * length;
     uint16_t* out_bits = bits ? bits + m * length : nullptr;
     for (int64_t k = 0; k < length; ++k) {
-      const float value = k < K ? row[k] : 0.0f;
+      uint32_t word = 0;
+      if (k < K && x_bf16) {
+        word = uint32_t{static_cast<const uint16_t*>(x)[m * K + k]} << 16;
+      } else if (k < K) {
+        std::memcpy(&word, static_cast<const float*>(x) + m * K + k, sizeof word);
+      }
+      float value;
+      std::memcpy(&value, &word, sizeof value);
       const int64_t block = k / 32, j = k % 32;
       out[32 * block + (j % 2 ? j / 2 : 16 + j / 2)] = value;
-      uint32_t word;
-      std::memcpy(&word, &value, sizeof word);
       low_bits |= word & 0xFFFFu;
       if (out_bits) out_bits[k] = static_cast<uint16_t>(word >> 16);
     }
@@ -256,11 +261,21 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
 }
 
 // x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32; with `rows`
-// (int64 [N'], each in [0, N)) -> y [..., N'], column j read from weight row rows[j].
-torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa,
-                         const c10::optional<torch::Tensor>& rows) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32, "x must be a float32 tensor [..., K]");
+// (int64 [N'], each in [0, N)) -> y [..., N'], column j read from weight row rows[j]. A bf16 x
+// (a bf16 model's activations) computes as its exact fp32 values and gives y in bf16, rounded as
+// torch's .to(bfloat16) rounds: what converting on either side in Python gives, without the
+// two conversions' dispatch (~420 per token of a 30-layer model).
+torch::Tensor run_linear(const torch::Tensor& x_given, const KernelMatrix& w,
+                         const std::string& isa, const c10::optional<torch::Tensor>& rows) {
+  check_cpu(x_given, "x");
+  TORCH_CHECK(x_given.dim() >= 1 && (x_given.scalar_type() == torch::kFloat32 ||
+                                     x_given.scalar_type() == torch::kBFloat16),
+              "x must be a float32 or bfloat16 tensor [..., K]");
+  const bool bf16_in = x_given.scalar_type() == torch::kBFloat16;
+  // The bf16 format reads bf16 bits itself (bf16_order); the others read fp32.
+  const torch::Tensor x =
+      bf16_in && w.format != kBFloat16 ? x_given.to(torch::kFloat32) : x_given;
+  auto finish = [&](const torch::Tensor& y) { return bf16_in ? y.to(torch::kBFloat16) : y; };
   const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K;
   int64_t N = w.N;
   TORCH_CHECK(K == w.K, "x has ", K, " features, the weight takes ", w.K);
@@ -280,7 +295,7 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     }
     p.rows = rows->data_ptr<int64_t>();
   }
-  p.x = x.data_ptr<float>();
+  p.x = bf16_in && w.format == kBFloat16 ? nullptr : x.data_ptr<float>();  // bf16: set below
   p.M = M;
   p.N = N;
   p.K = K;
@@ -296,9 +311,9 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   if (w.bias.has_value()) p.bias = w.bias->data_ptr<float>();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  auto y = torch::empty(out_shape, x.options());
+  auto y = torch::empty(out_shape, x.options().dtype(torch::kFloat32));
   p.y = y.data_ptr<float>();
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return finish(y);
   bool wide = resolve_isa(isa) == "avx512";
   torch::Tensor codes, scales, sums, corr;  // the integer-activation formats' quantized x
   if (integer_activations(p.format)) {
@@ -331,10 +346,10 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
   bool dot_path = false;
   if (p.format == kBFloat16) {
     const int64_t length = bf16_length(K);
-    ordered = torch::empty({M, length}, x.options());
+    ordered = torch::empty({M, length}, x.options().dtype(torch::kFloat32));
     const bool dots = wide && bf16_dot_ready();
     if (dots) bits = torch::empty({M, length}, x.options().dtype(torch::kInt16));
-    const bool exact = bf16_order(p.x, M, K, ordered.data_ptr<float>(),
+    const bool exact = bf16_order(x.data_ptr(), bf16_in, M, K, ordered.data_ptr<float>(),
                                   dots ? reinterpret_cast<uint16_t*>(bits.data_ptr<int16_t>()) : nullptr);
     p.x = ordered.data_ptr<float>();
     dot_path = dots && exact;
@@ -358,7 +373,7 @@ torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const st
     else if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
     else avx2::linear_columns(p, begin * width, n_end, scratch.data());
   });
-  return y;
+  return finish(y);
 }
 
 // `weight` by format: fp32 / bf16 / int8 [N, K], or uint8 [N, K / 32, 16] for q4_1; `scale`
