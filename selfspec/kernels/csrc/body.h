@@ -6,11 +6,12 @@
 // with lane k % 16 of one vector (fused multiply-add, k ascending), then sums the 16 lanes in
 // vhsum's fixed order; how many rows share the call, which tile a row falls in and which thread
 // computes it change nothing. bf16 weights take AVX-512 BF16's dot-product order instead
-// (params.h, kBFloat16): lane j sums elements 32b + 2j + 1, then 32b + 2j, of each block b of 32;
-// the dispatcher hands x in that order (odd elements, then even, per block), so the tiles below
-// read it as 16-element chunks like any other format. Attention for one query row and head visits only the keys its mask
-// allows, in key order, so a masked-out key (another tree branch, padding) contributes nothing,
-// not even a rounding: a tree token attends exactly as the same token decoded alone.
+// (params.h, kBFloat16): lane j sums elements 32b + 2j + 1, then 32b + 2j, of each block b of
+// 32; the dispatcher hands x in that order (odd elements, then even, per block), so the tiles
+// below read it as 16-element chunks like any other format. Attention for one query row and
+// head visits only the keys its mask allows, in key order, so a masked-out key (another tree
+// branch, padding) contributes nothing, not even a rounding: a tree token attends exactly as
+// the same token decoded alone.
 
 SS_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -484,9 +485,9 @@ static void linear_groups_int(const LinearParams& p, int64_t n_begin, int64_t n_
 // weights dequantized once, in registers, for every row). More: dequantized once into scratch.
 // Dense fp32 always reads directly (nothing to dequantize), up to kTallRows rows one column at
 // a time: a single weight row streamed per tile, which the memory system serves faster than
-// four side by side (SmolLM2-135M's layers, AMD EPYC Zen 4, 1 thread: 1-6 rows 0.71-0.75x the
-// time of 4-column tiles on the AVX-512 path, 0.75-0.9x on the AVX2 one; the formats that
-// dequantize gain nothing or lose).
+// four side by side (SmolLM2-135M's layers, AMD EPYC Zen 4, 1 thread: 1-8 rows 0.66-0.81x the
+// time of 4-column tiles on the AVX-512 path, 1-6 rows 0.73-0.83x on the AVX2 one; the formats
+// that dequantize gain nothing or lose).
 template <int64_t FORMAT>
 static void linear_columns_as(const LinearParams& p, int64_t n_begin, int64_t n_end, float* scratch) {
   if (FORMAT == kFloat32 && p.M <= kTallRows) {
