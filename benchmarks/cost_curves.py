@@ -45,6 +45,8 @@ CONFIGS = {
     "kernels w4a8 (int8 activations)": ("w4a8", None, None, False, "auto"),
     "kernels fp32 dense, forced avx2": ("float32", None, "avx2", False, "auto"),
     "kernels int4, forced avx2": ("int4", None, "avx2", False, "auto"),
+    # bf16 without the CPU's bf16 dot products (the same bits, fused multiply-adds)
+    "kernels bf16, forced avx2": ("bfloat16", None, "avx2", False, "auto"),
 }
 
 
