@@ -211,7 +211,14 @@ static void linear_columns_tiled(const LinearParams& p, int64_t n_begin, int64_t
         float* dst = scratch + c * stride;
         dense[c] = dst;
         if (c >= columns) continue;
-        for (int64_t k = 0; k < K; k += 16) {
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {  // whole blocks: a Q4_1 or bf16 block read once
+          V lo, hi;
+          weight_pair<FORMAT>(refs[c], k, shift, lo, hi);
+          vstore(dst + k, lo);
+          vstore(dst + k + 16, hi);
+        }
+        for (; k < K; k += 16) {
           vstore(dst + k, weight_chunk<FORMAT>(refs[c], k, k + 16 <= K ? 16 : static_cast<int>(K - k), shift));
         }
       }

@@ -71,16 +71,16 @@ bool bf16_dot_ready() {
   return cpu_has("avx512bf16");
 }
 
-// x [M, K] (fp32, or bf16 bits when `x_bf16`) as fp32 in the bf16 format's order (params.h): per
-// block of 32, its 16 odd elements then its 16 even ones, zeros to bf16_length(K). With `bits`
-// (may be null): the same rows as bf16 bits in their own order, for the dot-product instruction.
-// Returns whether every element of x is a bf16 value (its low 16 bits zero), i.e. whether `bits`
-// holds x exactly.
+// x [M, K] (fp32, or bf16 bits when `x_bf16`) into `ordered` (may be null) as fp32 in the bf16
+// format's order (params.h): per block of 32, its 16 odd elements then its 16 even ones, zeros to
+// bf16_length(K); into `bits` (may be null) as bf16 bits in their own order, for the dot-product
+// instruction. Returns whether every element of x is a bf16 value (its low 16 bits zero), i.e.
+// whether `bits` holds x exactly.
 bool bf16_order(const void* x, bool x_bf16, int64_t M, int64_t K, float* ordered, uint16_t* bits) {
   const int64_t length = bf16_length(K);
   uint32_t low_bits = 0;
   for (int64_t m = 0; m < M; ++m) {
-    float* out = ordered + m * length;
+    float* out = ordered ? ordered + m * length : nullptr;
     uint16_t* out_bits = bits ? bits + m * length : nullptr;
     for (int64_t k = 0; k < length; ++k) {
       uint32_t word = 0;
@@ -89,10 +89,10 @@ bool bf16_order(const void* x, bool x_bf16, int64_t M, int64_t K, float* ordered
       } else if (k < K) {
         std::memcpy(&word, static_cast<const float*>(x) + m * K + k, sizeof word);
       }
-      float value;
-      std::memcpy(&value, &word, sizeof value);
-      const int64_t block = k / 32, j = k % 32;
-      out[32 * block + (j % 2 ? j / 2 : 16 + j / 2)] = value;
+      if (out) {
+        const int64_t block = k / 32, j = k % 32;
+        std::memcpy(out + 32 * block + (j % 2 ? j / 2 : 16 + j / 2), &word, sizeof word);
+      }
       low_bits |= word & 0xFFFFu;
       if (out_bits) out_bits[k] = static_cast<uint16_t>(word >> 16);
     }
@@ -346,12 +346,14 @@ torch::Tensor run_linear(const torch::Tensor& x_given, const KernelMatrix& w,
   bool dot_path = false;
   if (p.format == kBFloat16) {
     const int64_t length = bf16_length(K);
-    ordered = torch::empty({M, length}, x.options().dtype(torch::kFloat32));
     const bool dots = wide && bf16_dot_ready();
+    // A bf16 x on the dot products needs no fp32 copy: it is bf16-valued by its type.
+    if (!(dots && bf16_in)) ordered = torch::empty({M, length}, x.options().dtype(torch::kFloat32));
     if (dots) bits = torch::empty({M, length}, x.options().dtype(torch::kInt16));
-    const bool exact = bf16_order(x.data_ptr(), bf16_in, M, K, ordered.data_ptr<float>(),
-                                  dots ? reinterpret_cast<uint16_t*>(bits.data_ptr<int16_t>()) : nullptr);
-    p.x = ordered.data_ptr<float>();
+    const bool exact = bf16_order(
+        x.data_ptr(), bf16_in, M, K, ordered.defined() ? ordered.data_ptr<float>() : nullptr,
+        dots ? reinterpret_cast<uint16_t*>(bits.data_ptr<int16_t>()) : nullptr);
+    if (ordered.defined()) p.x = ordered.data_ptr<float>();
     dot_path = dots && exact;
     if (dot_path) p.x_bf16 = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
   }
