@@ -36,6 +36,19 @@ def _metric(url: str, line: str) -> float:
     return 0.0
 
 
+def _hold_until_queued(engine, count: int, timeout: float = 30) -> None:
+    """Hold the engine's worker before its next round until ``count`` jobs wait, so that
+    requests sent at once also start at once (their threads may reach the server a round
+    apart otherwise, and a late one would run its last rounds alone)."""
+
+    def hold() -> None:
+        deadline = time.monotonic() + timeout
+        while engine.counts()["waiting"] < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    engine.between_rounds(hold)
+
+
 REQUESTS = [
     {"model": "attn", "prompt": "abc", "temperature": 0},
     {"model": "mlp", "prompt": "hello world", "temperature": 0},
@@ -64,10 +77,11 @@ def test_concurrent_requests_on_different_adapters_equal_serial(
         forwards = _metric(url, "selfspec_verify_batch_requests_count")
         rows = _metric(url, "selfspec_verify_batch_requests_sum")
         assert rows == forwards, "a request running alone was verified with others"
+        _hold_until_queued(state.engine, len(bodies))
         with ThreadPoolExecutor(len(bodies)) as pool:
             replies = list(pool.map(lambda body: _post(url, body), bodies))
         assert [r.json()["choices"][0]["text"] for r in replies] == serial
-        assert state.engine.peak_running >= 2, "the requests were never interleaved"
+        assert state.engine.peak_running == len(bodies), "the requests never all ran together"
         forwards = _metric(url, "selfspec_verify_batch_requests_count") - forwards
         rows = _metric(url, "selfspec_verify_batch_requests_sum") - rows
         if batch_verify:  # mixed adapters, speculating or not, greedy or sampled: one forward
