@@ -71,59 +71,73 @@ void spread_group(const LinearParams& p, int64_t g, uint8_t* spread) {
 // row (sums[plane] + 16 * r).
 SS_INLINE Q stored_sums(const int32_t* sums, int r) { return {_mm512_load_si512(sums + 16 * r)}; }
 
+// Block b's tile products for rows [m, m + rows) of group g: each plane's int32 sums into its
+// C tile (0, 3, 4), computed by the tile unit while the caller goes on.
+template <int64_t FORMAT>
+SS_INLINE void issue_block(const LinearParams& p, int64_t m, int64_t g, int64_t b,
+                           const uint8_t* spread) {
+  constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
+  constexpr bool q4 = stored_format(FORMAT) == kQ4_1, digits = activation_planes(FORMAT) == 3;
+  const int64_t K = p.K, blocks = K / 32, plane = p.M * K;
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
+  const uint8_t* ahead = w + (4 * blocks + b) * bytes;  // four groups on
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  }
+  const int8_t* x = p.xq + m * K + 32 * b;
+  _tile_zero(0);
+  _tile_loadd(1, x, K);
+  if constexpr (digits) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_loadd(5, x + plane, K);
+    _tile_loadd(6, x + 2 * plane, K);
+  }
+  if constexpr (q4) {
+    _tile_loadd(2, spread + b * 512, 64);
+    _tile_dpbsud(0, 1, 2);  // s8 x u8
+    if constexpr (digits) {
+      _tile_dpbsud(3, 5, 2);
+      _tile_dpbsud(4, 6, 2);
+    }
+  } else {
+    _tile_loadd(2, w + b * bytes, 64);
+    _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
+    if constexpr (digits) {
+      _tile_dpbssd(3, 5, 2);
+      _tile_dpbssd(4, 6, 2);
+    }
+  }
+}
+
 // Rows [m, m + rows) (rows <= 16, tiles configured for them) of group g's 16 columns into out;
-// `spread`: a Q4_1 weight's codes as bytes (spread_group).
+// `spread`: a Q4_1 weight's codes as bytes (spread_group). Software-pipelined: block b + 1's
+// tile products run while the float steps of block b read b's stored sums (two buffers), so
+// the tile unit's latency hides behind them instead of stalling every block.
 template <int64_t FORMAT>
 void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uint8_t* spread,
                 V* out) {
-  constexpr int64_t bytes = kGroupBlockBytes<FORMAT>;
-  constexpr bool q4 = stored_format(FORMAT) == kQ4_1, digits = activation_planes(FORMAT) == 3;
-  const int64_t K = p.K, blocks = K / 32, n0 = 16 * g, plane = p.M * K;
+  constexpr bool digits = activation_planes(FORMAT) == 3;
+  const int64_t blocks = p.K / 32, n0 = 16 * g;
   const int live = static_cast<int>(min64(16, p.N - n0));
-  const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
-  alignas(64) int32_t sums[3][16 * 16];
+  alignas(64) int32_t sums[2][3][16 * 16];
   for (int r = 0; r < rows; ++r) out[r] = vzero();
+  issue_block<FORMAT>(p, m, g, 0, spread);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* ahead = w + (4 * blocks + b) * bytes;  // four groups on
-    for (int64_t line = 0; line < bytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-    }
-    const int8_t* x = p.xq + m * K + 32 * b;
-    _tile_zero(0);
-    _tile_loadd(1, x, K);
+    int32_t(*const stored)[16 * 16] = sums[b & 1];
+    _tile_stored(0, stored[0], 64);
     if constexpr (digits) {
-      _tile_zero(3);
-      _tile_zero(4);
-      _tile_loadd(5, x + plane, K);
-      _tile_loadd(6, x + 2 * plane, K);
+      _tile_stored(3, stored[1], 64);
+      _tile_stored(4, stored[2], 64);
     }
-    if constexpr (q4) {
-      _tile_loadd(2, spread + b * 512, 64);
-      _tile_dpbsud(0, 1, 2);  // s8 x u8
-      if constexpr (digits) {
-        _tile_dpbsud(3, 5, 2);
-        _tile_dpbsud(4, 6, 2);
-      }
-    } else {
-      _tile_loadd(2, w + b * bytes, 64);
-      _tile_dpbssd(0, 1, 2);  // s8 x s8: the exact sums, no offset to take out
-      if constexpr (digits) {
-        _tile_dpbssd(3, 5, 2);
-        _tile_dpbssd(4, 6, 2);
-      }
-    }
-    _tile_stored(0, sums[0], 64);
-    if constexpr (digits) {
-      _tile_stored(3, sums[1], 64);
-      _tile_stored(4, sums[2], 64);
-    }
+    if (b + 1 < blocks) issue_block<FORMAT>(p, m, g, b + 1, spread);
     V s, mn;
     block_scales<FORMAT>(p, b, n0, live, s, mn);
     for (int r = 0; r < rows; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
-      const V sum = digits ? combine_digits(stored_sums(sums[2], r), stored_sums(sums[1], r),
-                                            stored_sums(sums[0], r))
-                           : qfloat(stored_sums(sums[0], r));
+      const V sum = digits ? combine_digits(stored_sums(stored[2], r), stored_sums(stored[1], r),
+                                            stored_sums(stored[0], r))
+                           : qfloat(stored_sums(stored[0], r));
       out[r] = add_block<FORMAT>(out[r], sum, s, mn, p.x_scales[row_block], p.x_sums[row_block]);
     }
   }
