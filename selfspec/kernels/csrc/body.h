@@ -554,6 +554,47 @@ SS_INLINE V query_key(const float* q, const void* k, int64_t k_offset, int64_t D
   return acc;
 }
 
+// Scores of 16 keys for one query head: acc[u] = query_key(q, k, offset of keys[u]), the same
+// fused multiply-adds in the same order per key, but the 16 keys' chains interleaved (CHUNKS
+// vectors of 16 lanes per key; a loop over D per key left each chain waiting on the last).
+template <bool BF16, int CHUNKS>
+SS_INLINE void query_keys16(const float* q, const void* k, int64_t kv_base, const int32_t* keys,
+                            int64_t D, V* acc) {
+  const int64_t full = D / 16;
+  const int rest = static_cast<int>(D - full * 16);
+  int64_t offsets[16];
+  for (int u = 0; u < 16; ++u) {
+    acc[u] = vzero();
+    offsets[u] = kv_base + static_cast<int64_t>(keys[u]) * D;
+  }
+  for (int c = 0; c < CHUNKS; ++c) {
+    if (c < full) {
+      const V query = vload(q + 16 * c);
+      for (int u = 0; u < 16; ++u) acc[u] = vfma(query, load_kv<BF16>(k, offsets[u] + 16 * c), acc[u]);
+    } else {
+      const V query = vload_n(q + 16 * c, rest);
+      for (int u = 0; u < 16; ++u) {
+        acc[u] = vfma(query, load_kv_n<BF16>(k, offsets[u] + 16 * c, rest), acc[u]);
+      }
+    }
+  }
+}
+
+template <bool BF16>
+SS_INLINE void query_keys16_heads(const float* q, const void* k, int64_t kv_base,
+                                  const int32_t* keys, int64_t D, V* acc) {
+  switch ((D + 15) / 16) {
+    case 1: query_keys16<BF16, 1>(q, k, kv_base, keys, D, acc); break;
+    case 2: query_keys16<BF16, 2>(q, k, kv_base, keys, D, acc); break;
+    case 3: query_keys16<BF16, 3>(q, k, kv_base, keys, D, acc); break;
+    case 4: query_keys16<BF16, 4>(q, k, kv_base, keys, D, acc); break;
+    case 5: query_keys16<BF16, 5>(q, k, kv_base, keys, D, acc); break;
+    case 6: query_keys16<BF16, 6>(q, k, kv_base, keys, D, acc); break;
+    case 7: query_keys16<BF16, 7>(q, k, kv_base, keys, D, acc); break;
+    default: query_keys16<BF16, 8>(q, k, kv_base, keys, D, acc); break;
+  }
+}
+
 // out_j[0:D] = sum over allowed keys i (in order) of p_j[i] * v[key i] for the G heads j of one
 // key/value head, one fused multiply-add per key, head and lane: each value row is read once for
 // all G heads, and head j's sums are exactly what it would get alone. CHUNKS vectors of 16 lanes
@@ -617,7 +658,8 @@ static void attend_group(const AttentionParams& p, int64_t group, float* scratch
   const int64_t kv_base = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
   const int64_t first = (b * p.S + s) * p.H + kv_head * G;  // the group's first (b, s, h) item
   int32_t* keys = reinterpret_cast<int32_t*>(scratch);       // [allowed keys]
-  float* scores = scratch + stride;                          // head j: [allowed keys] at j * stride
+  float* key_mask = scratch + stride;                        // [allowed keys] their mask values
+  float* scores = key_mask + stride;                         // head j: [allowed keys] at j * stride
   float* denominators = scores + G * stride;                 // [G]
 
   // 1. The allowed keys, in key order (the same for every head of the row).
@@ -625,7 +667,10 @@ static void attend_group(const AttentionParams& p, int64_t group, float* scratch
   const int64_t end = mask ? T : T - p.S + s + 1;  // without a mask: causal over the cache
   int64_t count = 0;
   for (int64_t j = 0; j < end; ++j) {
-    if (!mask || mask[j] > -1.0e30f) keys[count++] = static_cast<int32_t>(j);
+    if (!mask || mask[j] > -1.0e30f) {
+      if (mask) key_mask[count] = mask[j];
+      keys[count++] = static_cast<int32_t>(j);
+    }
   }
   if (count == 0) {  // nothing to attend to (a padding row): zeros, never NaN
     for (int64_t d = 0; d < G * D; ++d) p.out[first * D + d] = 0.0f;
@@ -638,7 +683,7 @@ static void attend_group(const AttentionParams& p, int64_t group, float* scratch
     for (int64_t h = 0; h < G; ++h) {
       const float* q = p.q + (first + h) * D;
       V acc[16];
-      for (int u = 0; u < 16; ++u) acc[u] = query_key<BF16>(q, p.k, kv_base + keys[i + u] * D, D);
+      query_keys16_heads<BF16>(q, p.k, kv_base, keys + i, D, acc);
       vhsum16(acc, scores + h * stride + i);
     }
   }
@@ -648,17 +693,28 @@ static void attend_group(const AttentionParams& p, int64_t group, float* scratch
     for (int64_t k = i; k < count; ++k) {
       head_scores[k] = vhsum(query_key<BF16>(q, p.k, kv_base + keys[k] * D, D));
     }
-    float top = -3.0e38f;
-    for (int64_t k = 0; k < count; ++k) {
+    // Scaled and masked (a product, then a sum: each rounding as written), 16 at a time; the
+    // maximum is exact in any order.
+    const V scale_v = vset1(p.scale);
+    V top_lanes = vset1(-3.0e38f);
+    int64_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+      V score = vmul(vload(head_scores + k), scale_v);
+      if (mask) score = vadd(score, vload(key_mask + k));
+      vstore(head_scores + k, score);
+      top_lanes = vmax(score, top_lanes);  // a NaN score leaves the maximum as it was
+    }
+    float top = vhmax(top_lanes);
+    for (; k < count; ++k) {
       float score = head_scores[k] * p.scale;
-      if (mask) score = score + mask[keys[k]];
+      if (mask) score = score + key_mask[k];
       head_scores[k] = score;
       top = score > top ? score : top;
     }
     // 3. Softmax weights; the denominator summed by position in the compacted list.
     const V top_v = vset1(top);
     V total = vzero();
-    int64_t k = 0;
+    k = 0;
     for (; k + 16 <= count; k += 16) {
       V e = vexp_nonpositive(vsub(vload(head_scores + k), top_v));
       vstore(head_scores + k, e);

@@ -111,7 +111,7 @@ inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (bf16_l
 // Attention: the allowed keys' indices, then every head of a group's scores, then its
 // denominators.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {
-  return (1 + p.H / p.Hkv) * (p.T + 16) + p.H / p.Hkv + 16;
+  return (2 + p.H / p.Hkv) * (p.T + 16) + p.H / p.Hkv + 16;  // keys, their mask values, scores
 }
 
 }  // namespace selfspec_kernels
