@@ -51,6 +51,7 @@ class FusedBody:
     def __init__(self, layers: Sequence[FusedLayer]) -> None:
         self.layers = list(layers)
         self._children = [child for layer in self.layers for child in layer.children]
+        self.dtype = layers[0].dtype if layers else torch.float32
         self._linears: list[nn.Module] = [
             linear for layer in self.layers for linear in layer.linears
         ]
@@ -65,7 +66,7 @@ class FusedBody:
         """The call's plan, readers and delta hooks for this forward's ``hidden`` # [B, S, H],
         or None where some layer must run part by part (then ``FusedLayer.parts`` decides)."""
         if (
-            not fusable_input(hidden)
+            not fusable_input(hidden, self.dtype)
             or any(children.get(name) is not module for children, name, module in self._children)
             or hooked(*self._unhooked)
         ):
@@ -75,6 +76,8 @@ class FusedBody:
             linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
             for linear in self._linears
         ):
+            if self.dtype != torch.float32:  # deltas are added in C++ for fp32 streams only
+                return None
             hooks = [delta_hook(linear) for linear in self._linears]
             if any(hook is False for hook in hooks):
                 return None

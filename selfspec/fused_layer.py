@@ -34,6 +34,9 @@ from selfspec.kernels.modules import KernelLinear
 FUSABLE_MLPS = ("LlamaMLP", "Qwen2MLP", "MistralMLP")  # down(act(gate(x)) * up(x))
 SILU_MODULES = ("SiLU", "SiLUActivation")  # torch's and transformers' (F.silu, both)
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+"""A layer runs fused in its norms' dtype: fp32 with the kernels' norm and rotary, bf16 with
+transformers' norm and the lean body's rotary as ATen ops (``decoder_layer.cpp``)."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,9 @@ def unfusable_reason(layer: nn.Module) -> str | None:
     for name, linear in zip(_LINEARS, _linears(attention, mlp), strict=True):
         if type(linear) is not KernelLinear:
             return f"{name} is a {type(linear).__name__}, not a KernelLinear"
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        if norm.weight.dtype != torch.float32:
-            return f"a norm's weight is {norm.weight.dtype}, not float32"
+    dtypes = {norm.weight.dtype for norm in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(dtypes) != 1 or not dtypes <= set(FUSED_DTYPES):
+        return f"its norms' weights are {sorted(map(str, dtypes))}, not one of {FUSED_DTYPES}"
     return None
 
 
@@ -82,11 +85,12 @@ def hooked(*modules: nn.Module) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
-def fusable_input(hidden: torch.Tensor) -> bool:
-    """Whether a forward of ``hidden`` may run fused at all: fp32 on the CPU, no gradient
-    wanted, no global module hooks (they would see every module called)."""
+def fusable_input(hidden: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a forward of ``hidden`` may run fused at all through layers of ``dtype``: that
+    dtype on the CPU, no gradient wanted, no global module hooks (they would see every module
+    called)."""
     return (
-        hidden.dtype == torch.float32
+        hidden.dtype == dtype
         and hidden.device.type == "cpu"
         and not (torch.is_grad_enabled() and hidden.requires_grad)
         and not torch_module._global_forward_hooks
@@ -110,6 +114,7 @@ class FusedLayer:
         attention, mlp = layer.self_attn, layer.mlp
         self.linears = _linears(attention, mlp)
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.dtype = self.norms[0].weight.dtype  # the stream's dtype it runs fused for
         self.mlp_modules = (layer.post_attention_layernorm, mlp, mlp.act_fn)  # besides linears
         self._plan = None
         self._plan_key: tuple | None = None
@@ -137,7 +142,7 @@ class FusedLayer:
         """Which parts may run fused for this forward's ``hidden`` # [B, S, H]; the plan is
         brought up to date for them. (The whole body as one call has its own check,
         ``selfspec.fused_body``, which also allows reader and delta hooks.)"""
-        if not fusable_input(hidden) or self._modules_replaced():
+        if not fusable_input(hidden, self.dtype) or self._modules_replaced():
             return NOT_FUSED
         linear_ok = [not hooked(linear) for linear in self.linears]
         parts = FusedParts(

@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from transformers import Cache
 
 from selfspec.fused_body import FusedBody, WholeBody
-from selfspec.fused_layer import NOT_FUSED, FusedLayer, unfusable_reason
+from selfspec.fused_layer import FUSED_DTYPES, NOT_FUSED, FusedLayer, unfusable_reason
 from selfspec.growing_cache import GrowingLayer
 from selfspec.kernels import extension
 from selfspec.kernels import ops as kernels
@@ -118,7 +118,9 @@ class LeanBody:
         # thread), asked for in one flat check (``selfspec.fused_body``).
         self.fused_body = (
             FusedBody(self.fused_layers)  # type: ignore[arg-type]  # none is None here
-            if self.fused_layers and all(fast is not None for fast in self.fused_layers)
+            if self.fused_layers
+            and all(fast is not None for fast in self.fused_layers)
+            and len({fast.dtype for fast in self.fused_layers}) == 1  # type: ignore[union-attr]
             else None
         )
 
@@ -148,11 +150,17 @@ class LeanBody:
         hidden = body.embed_tokens(input_ids)  # [B, S, H]
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
         signed_sin = sign_folded(sin)
-        fused = self.fused_glue and hidden.dtype == torch.float32
-        norm = _fused_norm if fused else _module_norm
-        if not fused:
-            cos, signed_sin = cos.unsqueeze(2), signed_sin.unsqueeze(2)  # [B, S, 1, D]
-        rotate = _fused_rotate if fused else _rotate
+        # fp32 runs its norms and rotary through the kernels (the glue) wherever it runs part by
+        # part; fp32 and bf16 layers run fused (C++) where nothing is in the way, bf16 with the
+        # very ops of its module path.
+        fused = self.fused_glue and hidden.dtype in FUSED_DTYPES
+        glue = fused and hidden.dtype == torch.float32
+        norm = _fused_norm if glue else _module_norm
+        # [B, S, D] for the C++ calls; [B, S, 1, D] for the module path's rotary
+        cos_heads, sin_heads = (
+            (cos, signed_sin) if glue else (cos[:, :, None], signed_sin[:, :, None])
+        )
+        rotate = _fused_rotate if glue else _rotate
         batch, length = input_ids.shape
         causal = attention_mask is None and length > 1  # a prompt over an empty cache
         fixed_mask = (
@@ -180,8 +188,8 @@ class LeanBody:
                 query = attention.q_proj(normed).view(batch, length, -1, head_dim)
                 key = attention.k_proj(normed).view(batch, length, -1, head_dim)
                 value = attention.v_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
-                query = rotate(query, cos, signed_sin)  # [B, S, heads, D]
-                key = rotate(key, cos, signed_sin).transpose(1, 2)
+                query = rotate(query, cos_heads, sin_heads)  # [B, S, heads, D]
+                key = rotate(key, cos_heads, sin_heads).transpose(1, 2)
             key, value = cache.update(key, value, index)  # [B, kv_heads, cache + S, D]
             if parts.attention_output:
                 hidden = fast.attention_output(hidden, query, key, value, fixed_mask, isa)
@@ -216,7 +224,7 @@ class LeanBody:
         if not (self.fused_glue and self.covers(input_ids, caches[0], masks[0][None])):
             return None
         hidden = body.embed_tokens(input_ids)  # [B, S, H]
-        whole = self._whole_body_plan(hidden, caches) if hidden.dtype == torch.float32 else None
+        whole = self._whole_body_plan(hidden, caches) if hidden.dtype in FUSED_DTYPES else None
         if whole is None:
             return None
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each

@@ -1,6 +1,7 @@
 """A decoder layer's parts as one C++ call each (``selfspec.fused_layer``): the same bits as the
-lean body's module-by-module kernel path, in every mode with fp32 activations, on every
-architecture the lean body runs; a part with a hook, a replaced module or a changed weight is
+lean body's module-by-module kernel path, in every mode with fp32 activations and in bfloat16
+(transformers' norm and the lean body's rotary as the same ATen ops), on every architecture the
+lean body runs; a part with a hook, a replaced module or a changed weight is
 run or re-planned so that nothing changes."""
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _model(arch: str, mode: str = "float32"):
     model = make_tiny_model(arch).eval()
     if mode == "float32:int24":  # float32 from quantized blocks, 24-bit integer activations
         install_block_kernels(model, "int24")
+    elif mode == "bfloat16":
+        install_kernels(model.to(torch.bfloat16), mode)
     else:
         install_kernels(model, mode)
     return model
@@ -71,7 +74,7 @@ def _run(body: LeanBody, fused: bool, growing: bool = False) -> list[torch.Tenso
         body.fused_layers, body.fused_body = saved, saved_body
 
 
-@pytest.mark.parametrize("mode", ["float32", "int8", "int4", "w4a8", "float32:int24"])
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int8", "int4", "w4a8", "float32:int24"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("isa", cpp_paths())
 def test_fused_layers_give_the_module_path_bits(
@@ -80,8 +83,11 @@ def test_fused_layers_give_the_module_path_bits(
     monkeypatch.setenv(extension.ISA_ENV, isa)
     body = LeanBody(_model(arch, mode).model)
     assert all(layer is not None for layer in body.fused_layers)
-    hidden = torch.zeros(1, 1, body.config.hidden_size)
+    dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+    hidden = torch.zeros(1, 1, body.config.hidden_size, dtype=dtype)
     assert body.fused_layers[0].parts(hidden) == FusedParts(True, True, True)
+    other = torch.float32 if mode == "bfloat16" else torch.bfloat16  # not the layers' dtype
+    assert body.fused_layers[0].parts(hidden.to(other)) == FusedParts()
     fused, modules = _run(body, fused=True), _run(body, fused=False)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)

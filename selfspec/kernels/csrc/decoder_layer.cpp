@@ -1,9 +1,12 @@
 // One Llama-style decoder layer as three calls instead of ~20 torch ops and module calls from
 // Python (a 1-token step of a 30-layer model spends more time in that glue than in its linear
-// layers). Each call computes exactly what the lean body's fp32 kernel path computes op by op:
-// the same kernels (ops.cpp) and the same ATen element-wise ops (add, silu, mul), in the same
-// order, so the bits are the same; the Python side (selfspec/fused_layer.py) calls a part only
-// when none of its modules has a hook, an adapter or a changed weight.
+// layers). Each call computes exactly what the lean body's kernel path computes op by op: the
+// same kernels (ops.cpp) and the same ATen element-wise ops (add, silu, mul), in the same order,
+// so the bits are the same; the Python side (selfspec/fused_layer.py) calls a part only when
+// none of its modules has a hook, an adapter or a changed weight. A float32 layer normalises and
+// rotates with the kernels' own rms_norm and rotary_ (as the lean body's fp32 glue does); a
+// bfloat16 layer with the very ATen ops of transformers' RMS norm and of the lean body's rotary
+// (hf_rms_norm, rotate_half_bf16), so that it equals the module-by-module bf16 forward.
 #include <torch/extension.h>
 
 #include <string>
@@ -18,7 +21,7 @@ namespace {
 
 // A decoder layer's weights, held once: the two RMS norms, seven linear layers, the head shape.
 struct DecoderLayerPlan {
-  torch::Tensor input_norm, post_norm;  // [H] fp32
+  torch::Tensor input_norm, post_norm;  // [H], the layer's dtype: fp32 or bf16
   double input_eps, post_eps;
   KernelMatrix q, k, v, o, gate, up, down;
   int64_t heads, kv_heads, head_dim;
@@ -27,8 +30,40 @@ struct DecoderLayerPlan {
 
 void check_norm(const torch::Tensor& weight, const char* name) {
   TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.dim() == 1 &&
-                  weight.scalar_type() == torch::kFloat32,
-              name, " must be a contiguous float32 [H] CPU tensor");
+                  (weight.scalar_type() == torch::kFloat32 ||
+                   weight.scalar_type() == torch::kBFloat16),
+              name, " must be a contiguous float32 or bfloat16 [H] CPU tensor");
+}
+
+// The layer's activations' dtype: its norms'.
+torch::ScalarType layer_dtype(const DecoderLayerPlan& p) { return p.post_norm.scalar_type(); }
+
+// transformers' RMS norm on a bf16 stream, op for op (LlamaRMSNorm.forward: to float32,
+// pow(2).mean(-1, keepdim), x * rsqrt(variance + eps), to bf16, weight * x): the same ATen
+// kernels, so the same bits as the module. x [..., H] bf16 -> [..., H] bf16.
+torch::Tensor hf_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const torch::Tensor wide = x.to(torch::kFloat32);
+  const torch::Tensor variance = wide.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (wide * at::rsqrt(variance + eps)).to(x.scalar_type());
+}
+
+// The layer's RMS norm in its dtype: the kernel's fixed-order one in fp32, transformers' in bf16.
+torch::Tensor layer_norm(const DecoderLayerPlan& p, const torch::Tensor& x,
+                         const torch::Tensor& weight, double eps, const std::string& isa) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "a ", weight.scalar_type(),
+              " layer met a ", x.scalar_type(), " stream");
+  return x.scalar_type() == torch::kFloat32 ? rms_norm(x.contiguous(), weight, eps, isa)
+                                            : hf_rms_norm(x, weight, eps);
+}
+
+// The lean body's rotary on bf16 states, op for op (x * cos + swapped halves * signed sin, each
+// rounded to bf16 as ATen rounds it). states [B, S, heads, D] contiguous, cos and signed_sin
+// [B, S, D] -> [B, S, heads, D].
+torch::Tensor rotate_half_bf16(const torch::Tensor& states, const torch::Tensor& cos,
+                               const torch::Tensor& signed_sin) {
+  const int64_t B = states.size(0), S = states.size(1), H = states.size(2), D = states.size(3);
+  const torch::Tensor swapped = states.view({B, S, H, 2, D / 2}).flip({3}).view({B, S, H, D});
+  return states * cos.unsqueeze(2) + swapped * signed_sin.unsqueeze(2);
 }
 
 DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Tensor post_norm,
@@ -37,6 +72,8 @@ DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Te
   TORCH_CHECK(linears.size() == 7, "a decoder layer has 7 linear layers (q, k, v, o, gate, up, "
               "down), got ", linears.size());
   check_norm(post_norm, "post-attention norm");
+  TORCH_CHECK(input_norm.numel() == 0 || input_norm.scalar_type() == post_norm.scalar_type(),
+              "the two norms differ in dtype");
   // An empty input norm: the caller gives the layer's attention input itself, normalised, of any
   // width q/k/v agree on (EAGLE-3's [norm(embedding); norm(feature)], 2H wide; decoder_body).
   const bool given_input = input_norm.numel() == 0;
@@ -103,24 +140,30 @@ std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const tor
                   : "an attention input was given to a layer that normalises its own");
   if (wants_given) {
     TORCH_CHECK(given.dim() == 3 && given.size(0) == B && given.size(1) == S &&
-                    given.size(2) == p.q.K && given.scalar_type() == torch::kFloat32,
-                "the attention input must be float32 [", B, ", ", S, ", ", p.q.K, "], got ",
-                given.sizes());
+                    given.size(2) == p.q.K && given.scalar_type() == layer_dtype(p),
+                "the attention input must be ", layer_dtype(p), " [", B, ", ", S, ", ", p.q.K,
+                "], got ", given.scalar_type(), " ", given.sizes());
   }
   const torch::Tensor normed = wants_given
                                    ? given.contiguous()
-                                   : rms_norm(hidden.contiguous(), p.input_norm, p.input_eps, isa);
+                                   : layer_norm(p, hidden, p.input_norm, p.input_eps, isa);
   torch::Tensor query = linear_plus(normed, p.q, d, 0, isa).view({B, S, p.heads, p.head_dim});
   torch::Tensor key = linear_plus(normed, p.k, d, 1, isa).view({B, S, p.kv_heads, p.head_dim});
   torch::Tensor value = linear_plus(normed, p.v, d, 2, isa).view({B, S, p.kv_heads, p.head_dim});
   const torch::Tensor c = cos.contiguous(), s = signed_sin.contiguous();
-  rotary_(query, c, s);
-  rotary_(key, c, s);
+  if (query.scalar_type() == torch::kFloat32) {
+    rotary_(query, c, s);
+    rotary_(key, c, s);
+  } else {
+    query = rotate_half_bf16(query, c, s);
+    key = rotate_half_bf16(key, c, s);
+  }
   return {query, key.transpose(1, 2), value.transpose(1, 2)};
 }
 
-// attention(query over keys/values) [B, S, heads, D] fp32. keys, values [B, kv_heads, T, D] (the
-// cache after this step's update); mask [B, S, T] additive, or none (causal).
+// attention(query over keys/values) [B, S, heads, D] in query's dtype (computed in fp32, rounded
+// as the kernels' Python wrapper rounds). keys, values [B, kv_heads, T, D] (the cache after this
+// step's update); mask [B, S, T] additive, or none (causal).
 torch::Tensor attend(const DecoderLayerPlan& p, const torch::Tensor& query, torch::Tensor keys,
                      torch::Tensor values, const c10::optional<torch::Tensor>& mask,
                      const std::string& isa) {
@@ -133,7 +176,8 @@ torch::Tensor attend(const DecoderLayerPlan& p, const torch::Tensor& query, torc
   }
   c10::optional<torch::Tensor> fixed_mask;
   if (mask.has_value()) fixed_mask = mask->to(torch::kFloat32).contiguous();
-  return attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa);
+  return attention(query.to(torch::kFloat32).contiguous(), keys, values, fixed_mask, p.scaling, isa)
+      .to(query.scalar_type());
 }
 
 // hidden + o_proj(attended) [B, S, H]; attended [B, S, heads, D].
@@ -155,7 +199,7 @@ torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& h
 // hidden + down(silu(gate(n)) * up(n)), n = post_norm(hidden): the layer's MLP block [B, S, H].
 torch::Tensor mlp_block(const DecoderLayerPlan& p, const torch::Tensor& hidden,
                         const std::string& isa, const LayerDeltas& d = kNoDeltas) {
-  const torch::Tensor normed = rms_norm(hidden.contiguous(), p.post_norm, p.post_eps, isa);
+  const torch::Tensor normed = layer_norm(p, hidden, p.post_norm, p.post_eps, isa);
   const torch::Tensor gated =
       at::silu(linear_plus(normed, p.gate, d, 4, isa)) * linear_plus(normed, p.up, d, 5, isa);
   return hidden + linear_plus(gated, p.down, d, 6, isa);
