@@ -76,8 +76,6 @@ class FusedBody:
             linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
             for linear in self._linears
         ):
-            if self.dtype != torch.float32:  # deltas are added in C++ for fp32 streams only
-                return None
             hooks = [delta_hook(linear) for linear in self._linears]
             if any(hook is False for hook in hooks):
                 return None

@@ -186,7 +186,7 @@ def _bank(model, names: tuple[str, ...]) -> LoraBank:
     return bank
 
 
-@pytest.mark.parametrize("mode", ["float32", "int4"])
+@pytest.mark.parametrize("mode", ["float32", "int4", "bfloat16"])
 @pytest.mark.parametrize("selection", ["one", "base", "rows"])
 def test_lora_bank_deltas_run_in_the_whole_body(
     mode: str, selection: str, monkeypatch: pytest.MonkeyPatch
