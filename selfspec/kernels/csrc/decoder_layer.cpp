@@ -106,10 +106,9 @@ struct LayerDeltas {
 };
 const LayerDeltas kNoDeltas{};
 
-// x [B, S, in] -> w(x) (+ the delta) [B, S, out].
-torch::Tensor linear_plus(const torch::Tensor& x, const KernelMatrix& w, const LayerDeltas& d,
-                          int slot, const std::string& isa) {
-  torch::Tensor out = run_linear(x, w, isa);
+// out = w(x) [B, S, out] plus slot's delta, added in place.
+torch::Tensor plus_delta(torch::Tensor out, const torch::Tensor& x, const KernelMatrix& w,
+                         const LayerDeltas& d, int slot) {
   const torch::Tensor &a = d.a[slot], &b = d.b[slot];
   if (!a.defined()) return out;
   if (a.dim() == 2) {
@@ -120,6 +119,23 @@ torch::Tensor linear_plus(const torch::Tensor& x, const KernelMatrix& w, const L
     out.baddbmm_(at::bmm(x, a), b);
   }
   return out;
+}
+
+// x [B, S, in] -> w(x) (+ the delta) [B, S, out].
+torch::Tensor linear_plus(const torch::Tensor& x, const KernelMatrix& w, const LayerDeltas& d,
+                          int slot, const std::string& isa) {
+  return plus_delta(run_linear(x, w, isa), x, w, d, slot);
+}
+
+// Layers `slots` of one x (q/k/v; gate/up) in one kernel call (run_linears: x prepared once, one
+// parallel region), each plus its delta: what linear_plus gives each.
+std::vector<torch::Tensor> linears_plus(const torch::Tensor& x,
+                                        const std::vector<const KernelMatrix*>& ws,
+                                        const LayerDeltas& d, const std::vector<int>& slots,
+                                        const std::string& isa) {
+  std::vector<torch::Tensor> outs = run_linears(x, ws, isa);
+  for (size_t j = 0; j < outs.size(); ++j) outs[j] = plus_delta(outs[j], x, *ws[j], d, slots[j]);
+  return outs;
 }
 
 // hidden [B, S, H] -> (query [B, S, heads, D], key [B, kv_heads, S, D], value [B, kv_heads, S, D]):
@@ -147,9 +163,10 @@ std::vector<torch::Tensor> attention_inputs(const DecoderLayerPlan& p, const tor
   const torch::Tensor normed = wants_given
                                    ? given.contiguous()
                                    : layer_norm(p, hidden, p.input_norm, p.input_eps, isa);
-  torch::Tensor query = linear_plus(normed, p.q, d, 0, isa).view({B, S, p.heads, p.head_dim});
-  torch::Tensor key = linear_plus(normed, p.k, d, 1, isa).view({B, S, p.kv_heads, p.head_dim});
-  torch::Tensor value = linear_plus(normed, p.v, d, 2, isa).view({B, S, p.kv_heads, p.head_dim});
+  std::vector<torch::Tensor> qkv = linears_plus(normed, {&p.q, &p.k, &p.v}, d, {0, 1, 2}, isa);
+  torch::Tensor query = qkv[0].view({B, S, p.heads, p.head_dim});
+  torch::Tensor key = qkv[1].view({B, S, p.kv_heads, p.head_dim});
+  torch::Tensor value = qkv[2].view({B, S, p.kv_heads, p.head_dim});
   const torch::Tensor c = cos.contiguous(), s = signed_sin.contiguous();
   if (query.scalar_type() == torch::kFloat32) {
     rotary_(query, c, s);
@@ -200,8 +217,8 @@ torch::Tensor attention_output(const DecoderLayerPlan& p, const torch::Tensor& h
 torch::Tensor mlp_block(const DecoderLayerPlan& p, const torch::Tensor& hidden,
                         const std::string& isa, const LayerDeltas& d = kNoDeltas) {
   const torch::Tensor normed = layer_norm(p, hidden, p.post_norm, p.post_eps, isa);
-  const torch::Tensor gated =
-      at::silu(linear_plus(normed, p.gate, d, 4, isa)) * linear_plus(normed, p.up, d, 5, isa);
+  const std::vector<torch::Tensor> gate_up = linears_plus(normed, {&p.gate, &p.up}, d, {4, 5}, isa);
+  const torch::Tensor gated = at::silu(gate_up[0]) * gate_up[1];
   return hidden + linear_plus(gated, p.down, d, 6, isa);
 }
 

@@ -260,73 +260,52 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
   }
 }
 
-// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32; with `rows`
-// (int64 [N'], each in [0, N)) -> y [..., N'], column j read from weight row rows[j]. A bf16 x
-// (a bf16 model's activations) computes as its exact fp32 values and gives y in bf16, rounded as
-// torch's .to(bfloat16) rounds: what converting on either side in Python gives, without the
-// two conversions' dispatch (~420 per token of a 30-layer model).
-torch::Tensor run_linear(const torch::Tensor& x_given, const KernelMatrix& w,
-                         const std::string& isa, const c10::optional<torch::Tensor>& rows) {
+namespace {
+
+// x as the kernels of one weight format read it, made once for every layer of that format that
+// reads this x (q/k/v, gate/up: run_linears): fp32 (a bf16 x converted, except for the bf16
+// format), the bf16 format's reordered copy, or the integer-activation formats' codes and
+// scales. `base` holds x's fields of the kernels' parameters; the weight's are set per layer.
+struct PreparedInput {
+  torch::Tensor x, codes, scales, sums, corr, ordered, bits;  // what `base` points into
+  LinearParams base{};
+  bool bf16_in = false, wide = false, dot_path = false;
+};
+
+PreparedInput prepare_input(const torch::Tensor& x_given, const KernelMatrix& w,
+                            const std::string& isa) {
   check_cpu(x_given, "x");
   TORCH_CHECK(x_given.dim() >= 1 && (x_given.scalar_type() == torch::kFloat32 ||
                                      x_given.scalar_type() == torch::kBFloat16),
               "x must be a float32 or bfloat16 tensor [..., K]");
-  const bool bf16_in = x_given.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x_given.size(-1) == w.K, "x has ", x_given.size(-1), " features, the weight takes ",
+              w.K);
+  const int64_t format = w.format;
+  PreparedInput in;
+  in.bf16_in = x_given.scalar_type() == torch::kBFloat16;
   // The bf16 format reads bf16 bits itself (bf16_order); the others read fp32.
-  const torch::Tensor x =
-      bf16_in && w.format != kBFloat16 ? x_given.to(torch::kFloat32) : x_given;
-  auto finish = [&](const torch::Tensor& y) { return bf16_in ? y.to(torch::kBFloat16) : y; };
-  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K;
-  int64_t N = w.N;
-  TORCH_CHECK(K == w.K, "x has ", K, " features, the weight takes ", w.K);
-  LinearParams p{};
-  if (rows.has_value()) {
-    check_cpu(*rows, "rows");
-    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
-    TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
-    TORCH_CHECK(!integer_activations(w.format), "a row-selected linear does not take interleaved "
-                "weights (q4_1_a8, int8_a8, q4_1_a24, int8_a24: columns interleaved by 16): select "
-                "their rows first (ops.linear_rows)");
-    N = rows->numel();
-    if (N > 0) {
-      const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
-      TORCH_CHECK(low >= 0 && high < w.N, "rows must lie in [0, ", w.N, "), got [", low, ", ",
-                  high, "]");
-    }
-    p.rows = rows->data_ptr<int64_t>();
-  }
-  p.x = bf16_in && w.format == kBFloat16 ? nullptr : x.data_ptr<float>();  // bf16: set below
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.format = w.format;
-  p.group = w.group;
-  p.group_shift = -1;
-  if (w.group < K) {
-    while ((int64_t{1} << (p.group_shift + 1)) <= w.group) ++p.group_shift;
-  }
-  p.w = w.weight.data_ptr();
-  if (w.scale.has_value()) p.scale = w.scale->data_ptr<float>();
-  if (w.minimum.has_value()) p.minimum = w.minimum->data_ptr<float>();
-  if (w.bias.has_value()) p.bias = w.bias->data_ptr<float>();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  auto y = torch::empty(out_shape, x.options().dtype(torch::kFloat32));
-  p.y = y.data_ptr<float>();
-  if (M == 0 || N == 0) return finish(y);
-  bool wide = resolve_isa(isa) == "avx512";
-  torch::Tensor codes, scales, sums, corr;  // the integer-activation formats' quantized x
-  if (integer_activations(p.format)) {
+  in.x = in.bf16_in && format != kBFloat16 ? x_given.to(torch::kFloat32) : x_given;
+  const torch::Tensor& x = in.x;
+  LinearParams& p = in.base;
+  p.K = x.size(-1);
+  p.M = p.K == 0 ? 0 : x.numel() / p.K;
+  p.format = format;
+  p.x = in.bf16_in && format == kBFloat16 ? nullptr : x.data_ptr<float>();  // bf16: set below
+  const int64_t M = p.M, K = p.K;
+  in.wide = resolve_isa(isa) == "avx512";
+  if (M == 0) return in;
+  if (integer_activations(format)) {
     // The AVX-512 integer path needs VNNI; without it the AVX2 path (the same bits) runs.
-    wide = wide && cpu_has("avx512vnni");
-    const int64_t planes = activation_planes(p.format);
-    codes = torch::empty({planes, M, K}, x.options().dtype(torch::kInt8));
-    scales = torch::empty({M, K / 32}, x.options());
-    sums = torch::empty({M, K / 32}, x.options());
-    corr = torch::empty({planes, M, K / 32}, x.options().dtype(torch::kInt32));
-    int8_t* c = codes.data_ptr<int8_t>();
-    float *l = scales.data_ptr<float>(), *s = sums.data_ptr<float>();
-    int32_t* r = corr.data_ptr<int32_t>();
+    in.wide = in.wide && cpu_has("avx512vnni");
+    const bool wide = in.wide;
+    const int64_t planes = activation_planes(format);
+    in.codes = torch::empty({planes, M, K}, x.options().dtype(torch::kInt8));
+    in.scales = torch::empty({M, K / 32}, x.options());
+    in.sums = torch::empty({M, K / 32}, x.options());
+    in.corr = torch::empty({planes, M, K / 32}, x.options().dtype(torch::kInt32));
+    int8_t* c = in.codes.data_ptr<int8_t>();
+    float *l = in.scales.data_ptr<float>(), *s = in.sums.data_ptr<float>();
+    int32_t* r = in.corr.data_ptr<int32_t>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t begin, int64_t end) {
       if (planes == 3) {
         if (wide) avx512::quantize_rows_a24(p, c, l, s, r, begin, end);
@@ -342,40 +321,142 @@ torch::Tensor run_linear(const torch::Tensor& x_given, const KernelMatrix& w,
     p.x_sums = s;
     p.x_corr = r;
   }
-  torch::Tensor ordered, bits;  // bf16 weights: x in their order (and as bf16 bits)
-  bool dot_path = false;
-  if (p.format == kBFloat16) {
+  if (format == kBFloat16) {  // x in the bf16 weights' order (and as bf16 bits)
     const int64_t length = bf16_length(K);
-    const bool dots = wide && bf16_dot_ready();
+    const bool dots = in.wide && bf16_dot_ready();
     // A bf16 x on the dot products needs no fp32 copy: it is bf16-valued by its type.
-    if (!(dots && bf16_in)) ordered = torch::empty({M, length}, x.options().dtype(torch::kFloat32));
-    if (dots) bits = torch::empty({M, length}, x.options().dtype(torch::kInt16));
+    if (!(dots && in.bf16_in)) {
+      in.ordered = torch::empty({M, length}, x.options().dtype(torch::kFloat32));
+    }
+    if (dots) in.bits = torch::empty({M, length}, x.options().dtype(torch::kInt16));
     const bool exact = bf16_order(
-        x.data_ptr(), bf16_in, M, K, ordered.defined() ? ordered.data_ptr<float>() : nullptr,
-        dots ? reinterpret_cast<uint16_t*>(bits.data_ptr<int16_t>()) : nullptr);
-    if (ordered.defined()) p.x = ordered.data_ptr<float>();
-    dot_path = dots && exact;
-    if (dot_path) p.x_bf16 = reinterpret_cast<const uint16_t*>(bits.data_ptr<int16_t>());
+        x.data_ptr(), in.bf16_in, M, K,
+        in.ordered.defined() ? in.ordered.data_ptr<float>() : nullptr,
+        dots ? reinterpret_cast<uint16_t*>(in.bits.data_ptr<int16_t>()) : nullptr);
+    if (in.ordered.defined()) p.x = in.ordered.data_ptr<float>();
+    in.dot_path = dots && exact;
+    if (in.dot_path) p.x_bf16 = reinterpret_cast<const uint16_t*>(in.bits.data_ptr<int16_t>());
   }
+  return in;
+}
+
+// The kernels' parameters for `in` through `w` (over the weight rows `rows` only, if given), and
+// the fp32 output they fill, y [..., N] (N: the rows').
+LinearParams weight_params(const PreparedInput& in, const KernelMatrix& w,
+                           const c10::optional<torch::Tensor>& rows, torch::Tensor& y) {
+  LinearParams p = in.base;
+  TORCH_CHECK(w.format == p.format, "a ", w.format, " weight met x prepared for ", p.format);
+  TORCH_CHECK(p.K == w.K, "x has ", p.K, " features, the weight takes ", w.K);
+  int64_t N = w.N;
+  if (rows.has_value()) {
+    check_cpu(*rows, "rows");
+    TORCH_CHECK(rows->dim() == 1 && rows->scalar_type() == torch::kInt64, "rows must be int64 [N']");
+    TORCH_CHECK(!w.bias.has_value(), "a row-selected linear takes no bias (add bias[rows] after)");
+    TORCH_CHECK(!integer_activations(w.format), "a row-selected linear does not take interleaved "
+                "weights (q4_1_a8, int8_a8, q4_1_a24, int8_a24: columns interleaved by 16): select "
+                "their rows first (ops.linear_rows)");
+    N = rows->numel();
+    if (N > 0) {
+      const int64_t low = rows->min().item<int64_t>(), high = rows->max().item<int64_t>();
+      TORCH_CHECK(low >= 0 && high < w.N, "rows must lie in [0, ", w.N, "), got [", low, ", ",
+                  high, "]");
+    }
+    p.rows = rows->data_ptr<int64_t>();
+  }
+  p.N = N;
+  p.group = w.group;
+  p.group_shift = -1;
+  if (w.group < p.K) {
+    while ((int64_t{1} << (p.group_shift + 1)) <= w.group) ++p.group_shift;
+  }
+  p.w = w.weight.data_ptr();
+  if (w.scale.has_value()) p.scale = w.scale->data_ptr<float>();
+  if (w.minimum.has_value()) p.minimum = w.minimum->data_ptr<float>();
+  if (w.bias.has_value()) p.bias = w.bias->data_ptr<float>();
+  std::vector<int64_t> out_shape(in.x.sizes().begin(), in.x.sizes().end());
+  out_shape.back() = N;
+  y = torch::empty(out_shape, in.x.options().dtype(torch::kFloat32));
+  p.y = y.data_ptr<float>();
+  return p;
+}
+
+// Every output column of the layers `ps` (all reading `in`), in one parallel region over their
+// column tiles together: a column's bits do not depend on its tile, its thread or its neighbours.
+void run_columns(const PreparedInput& in, const std::vector<LinearParams>& ps) {
+  const LinearParams& base = in.base;
+  const int64_t M = base.M, K = base.K, format = base.format;
+  if (M == 0) return;
   // The integer-activation formats on AMX tiles from enough rows (the same bits; fewer: VNNI).
   const bool tiles_path =
-      wide && integer_activations(p.format) && M >= amx_min_rows(p.format) && amx_ready();
+      in.wide && integer_activations(format) && M >= amx_min_rows(format) && amx_ready();
   // Tiles of 4 columns (a multiple of both paths' tile width), of 16 for interleaved groups.
-  const int64_t width = integer_activations(p.format) ? 16 : 4;
-  const int64_t tiles = (N + width - 1) / width;
+  const int64_t width = integer_activations(format) ? 16 : 4;
+  std::vector<int64_t> first_tile(ps.size() + 1, 0);  // layer j's tiles: [first[j], first[j+1])
+  int64_t scratch_size = 0;
+  for (size_t j = 0; j < ps.size(); ++j) {
+    first_tile[j + 1] = first_tile[j] + (ps[j].N + width - 1) / width;
+    scratch_size = std::max(scratch_size, linear_scratch_floats(ps[j]));
+  }
+  const int64_t tiles = first_tile.back();
+  if (tiles == 0) return;
   // Enough work per task that a small layer stays on one thread.
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, width * K * M));
-  const int64_t scratch_size = linear_scratch_floats(p);
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_size);
-    const int64_t n_end = std::min(N, end * width);
-    const FlushDenormals flush(p.format == kBFloat16);
-    if (dot_path) avx512bf16::linear_columns_bf16(p, begin * width, n_end);
-    else if (tiles_path) amx::linear_columns_amx(p, begin * width, n_end);
-    else if (wide) avx512::linear_columns(p, begin * width, n_end, scratch.data());
-    else avx2::linear_columns(p, begin * width, n_end, scratch.data());
+    const FlushDenormals flush(format == kBFloat16);
+    for (size_t j = 0; j < ps.size(); ++j) {
+      const int64_t from = std::max(begin, first_tile[j]), to = std::min(end, first_tile[j + 1]);
+      if (from >= to) continue;
+      const LinearParams& p = ps[j];
+      const int64_t n_begin = (from - first_tile[j]) * width;
+      const int64_t n_end = std::min(p.N, (to - first_tile[j]) * width);
+      if (in.dot_path) avx512bf16::linear_columns_bf16(p, n_begin, n_end);
+      else if (tiles_path) amx::linear_columns_amx(p, n_begin, n_end);
+      else if (in.wide) avx512::linear_columns(p, n_begin, n_end, scratch.data());
+      else avx2::linear_columns(p, n_begin, n_end, scratch.data());
+    }
   });
-  return finish(y);
+}
+
+// y as the caller gets it: in bf16 for a bf16 x (rounded as .to rounds), else fp32.
+torch::Tensor finished(const PreparedInput& in, const torch::Tensor& y) {
+  return in.bf16_in ? y.to(torch::kBFloat16) : y;
+}
+
+}  // namespace
+
+// x [..., K] fp32 (any leading dimensions: M = their product) -> y [..., N] fp32; with `rows`
+// (int64 [N'], each in [0, N)) -> y [..., N'], column j read from weight row rows[j]. A bf16 x
+// (a bf16 model's activations) computes as its exact fp32 values and gives y in bf16, rounded as
+// torch's .to(bfloat16) rounds: what converting on either side in Python gives, without the
+// two conversions' dispatch (~420 per token of a 30-layer model).
+torch::Tensor run_linear(const torch::Tensor& x_given, const KernelMatrix& w,
+                         const std::string& isa, const c10::optional<torch::Tensor>& rows) {
+  const PreparedInput in = prepare_input(x_given, w, isa);
+  torch::Tensor y;
+  const LinearParams p = weight_params(in, w, rows, y);
+  run_columns(in, {p});
+  return finished(in, y);
+}
+
+std::vector<torch::Tensor> run_linears(const torch::Tensor& x_given,
+                                       const std::vector<const KernelMatrix*>& ws,
+                                       const std::string& isa) {
+  TORCH_CHECK(!ws.empty(), "run_linears needs at least one weight");
+  for (const KernelMatrix* w : ws) {
+    if (w->format != ws[0]->format) {  // nothing to share: one call each
+      std::vector<torch::Tensor> out;
+      for (const KernelMatrix* each : ws) out.push_back(run_linear(x_given, *each, isa));
+      return out;
+    }
+  }
+  const PreparedInput in = prepare_input(x_given, *ws[0], isa);
+  std::vector<torch::Tensor> ys(ws.size());
+  std::vector<LinearParams> ps;
+  for (size_t j = 0; j < ws.size(); ++j) ps.push_back(weight_params(in, *ws[j], {}, ys[j]));
+  run_columns(in, ps);
+  for (torch::Tensor& y : ys) y = finished(in, y);
+  return ys;
 }
 
 // `weight` by format: fp32 / bf16 / int8 [N, K], or uint8 [N, K / 32, 16] for q4_1; `scale`

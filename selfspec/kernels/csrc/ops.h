@@ -25,6 +25,12 @@ struct KernelMatrix {
 torch::Tensor run_linear(const torch::Tensor& x, const KernelMatrix& w, const std::string& isa,
                          const c10::optional<torch::Tensor>& rows = {});
 
+// run_linear through each of `ws` (layers reading the same x: q/k/v, gate/up), x prepared once
+// (converted, quantized or reordered) and every output column in one parallel region: each
+// output has run_linear's bits.
+std::vector<torch::Tensor> run_linears(const torch::Tensor& x, const std::vector<const KernelMatrix*>& ws,
+                                       const std::string& isa);
+
 // q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16, rows of D contiguous, the same strides;
 // mask [B, S, T] additive fp32 or none (causal). -> [B, S, H, D] fp32.
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
