@@ -12,8 +12,10 @@ and values written in place into the request's ``EagleCache`` buffers.
 It computes the head's function with the kernels' own norm, rotary and fixed-order attention,
 so its bits differ from the torch path's: drafts only propose tokens (verification decides every
 output), and a request uses one path throughout. It stands aside (the torch path runs) when the
-kernels are not built, autograd is on, the input is not fp32 on the CPU, or any of the head's
-modules is not as installed: a hook, or a draft delta active for this request (``DeltaBank``).
+kernels are not built, autograd is on, the input is not on the CPU in the dtype of the head's
+norms (fp32 or bf16: a bf16 head runs the bf16 layer of ``decoder_layer.cpp``), or any of the
+head's modules is not as installed: a hook, or a draft delta active for this request
+(``DeltaBank``).
 
 ``FusedEagle3Head`` does the same for an EAGLE-3 head's ``midlayer``: the normalised embedding
 and feature side by side (2H wide) are the layer's attention input, given to ``decoder_body``
@@ -27,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-from selfspec.fused_layer import hooked
+from selfspec.fused_layer import FUSED_DTYPES, hooked
 from selfspec.heads.eagle import EagleCache, EagleHead, rotary
 from selfspec.heads.eagle3 import Eagle3Head
 from selfspec.kernels import extension
@@ -81,6 +83,7 @@ class FusedEagleHead:
         starts = [own[0][2] for own in reserved]
         masks = [None if attend is None else _additive(attend, x.device) for attend in attends]
         cos, sin = rotary(positions, head_dim, self.head.config.rope_theta)  # [B, 1, S, D]
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 as computed; a bf16 head's dtype
         out = extension.load().decoder_body(
             plan,
             x.contiguous(),
@@ -154,7 +157,7 @@ class FusedEagleHead:
         """The C++ plan of the head's layers, remade when a weight changed; None where the
         fused path cannot run now (see the module's docstring)."""
         if (
-            features.dtype != torch.float32
+            features.dtype not in FUSED_DTYPES
             or features.device.type != "cpu"
             or torch.is_grad_enabled()
             or extension.load() is None
@@ -170,6 +173,8 @@ class FusedEagleHead:
                 return None
             weights.append(found)
             norms += [norm.weight for norm in layer_norms]
+        if any(norm.dtype != features.dtype for norm in norms):
+            return None  # the plan computes in its norms' dtype
         # A kernel weight is remade whenever its layer's weight changes (KernelLinear), so its
         # identity says whether the plan is current; the plan holds them, so ids stay unique.
         key = [id(w) for layer in weights for w in layer] + [
