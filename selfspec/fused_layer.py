@@ -9,15 +9,17 @@ layers. ``FusedLayer`` runs the same computation as three calls:
 - MLP block: post-attention norm, gate and up, silu, product, down, residual add,
 
 with the same kernels and ATen ops in the same order, so the bits are the same (tests compare
-with ``torch.equal``). A part runs fused only while its modules are as installed: every linear a
-plain ``KernelLinear``, no forward hooks on any of them, no global module hooks, no gradient
-wanted. For the whole body as one call (``decoder_body``, ``selfspec.lean_body``; its check is
-``selfspec.fused_body``) two kinds of hook are allowed, because that call does their work
-itself with the same bits: a tap's reader hooks on the input norm (``selfspec.reader_hooks``:
-EAGLE-3) and one delta hook per linear layer (``selfspec.linear_deltas``: the LoRA bank).
-Otherwise the lean body calls the modules, part by part, and the result is the same either way.
-A weight changed in place or replaced (a merged adapter) rebuilds the layer's plan from the
-layers' current kernel weights.
+with ``torch.equal``). A layer runs in its norms' dtype (``FUSED_DTYPES``): a bf16 model's
+layers (~2,700 small torch calls a token from Python before) compute transformers' RMS norm and
+the lean body's rotary with the very ATen ops of its module path. A part runs fused only while
+its modules are as installed: every linear a plain ``KernelLinear``, no forward hooks on any of
+them, no global module hooks, no gradient wanted. For the whole body as one call
+(``decoder_body``, ``selfspec.lean_body``; its check is ``selfspec.fused_body``) two kinds of
+hook are allowed, because that call does their work itself with the same bits: a tap's reader
+hooks on the input norm (``selfspec.reader_hooks``: EAGLE-3) and one delta hook per linear layer
+(``selfspec.linear_deltas``: the LoRA bank). Otherwise the lean body calls the modules, part by
+part, and the result is the same either way. A weight changed in place or replaced (a merged
+adapter) rebuilds the layer's plan from the layers' current kernel weights.
 """
 
 from __future__ import annotations
