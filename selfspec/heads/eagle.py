@@ -9,6 +9,7 @@ architecture, so it attaches to any HF causal LM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -136,13 +137,22 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=grouped)
 
 
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """1 / theta^(2i / head_dim) # [head_dim / 2], made once per shape and device (a drafting
+    step asks for it at every depth); never written to. A normal tensor even when first asked
+    for under inference mode, so that training may use it too."""
+    with torch.inference_mode(False):
+        return 1.0 / theta ** (
+            torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+        )
+
+
 def rotary(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin for the given positions. positions: # [B, S] -> each # [B, 1, S, head_dim]"""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = _inverse_frequencies(head_dim, float(theta), positions.device)
     angles = positions.float().unsqueeze(-1) * inv_freq  # [B, S, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, S, head_dim]
     return angles.cos(), angles.sin()
