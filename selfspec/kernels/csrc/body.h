@@ -555,43 +555,25 @@ SS_INLINE V query_key(const float* q, const void* k, int64_t k_offset, int64_t D
 }
 
 // Scores of 16 keys for one query head: acc[u] = query_key(q, k, offset of keys[u]), the same
-// fused multiply-adds in the same order per key, but the 16 keys' chains interleaved (CHUNKS
-// vectors of 16 lanes per key; a loop over D per key left each chain waiting on the last).
-template <bool BF16, int CHUNKS>
+// fused multiply-adds in the same order per key, but the 16 keys' chains interleaved (a loop over
+// D per key left each chain waiting on the last).
+template <bool BF16>
 SS_INLINE void query_keys16(const float* q, const void* k, int64_t kv_base, const int32_t* keys,
                             int64_t D, V* acc) {
-  const int64_t full = D / 16;
-  const int rest = static_cast<int>(D - full * 16);
   int64_t offsets[16];
   for (int u = 0; u < 16; ++u) {
     acc[u] = vzero();
     offsets[u] = kv_base + static_cast<int64_t>(keys[u]) * D;
   }
-  for (int c = 0; c < CHUNKS; ++c) {
-    if (c < full) {
-      const V query = vload(q + 16 * c);
-      for (int u = 0; u < 16; ++u) acc[u] = vfma(query, load_kv<BF16>(k, offsets[u] + 16 * c), acc[u]);
-    } else {
-      const V query = vload_n(q + 16 * c, rest);
-      for (int u = 0; u < 16; ++u) {
-        acc[u] = vfma(query, load_kv_n<BF16>(k, offsets[u] + 16 * c, rest), acc[u]);
-      }
-    }
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const V query = vload(q + d);
+    for (int u = 0; u < 16; ++u) acc[u] = vfma(query, load_kv<BF16>(k, offsets[u] + d), acc[u]);
   }
-}
-
-template <bool BF16>
-SS_INLINE void query_keys16_heads(const float* q, const void* k, int64_t kv_base,
-                                  const int32_t* keys, int64_t D, V* acc) {
-  switch ((D + 15) / 16) {
-    case 1: query_keys16<BF16, 1>(q, k, kv_base, keys, D, acc); break;
-    case 2: query_keys16<BF16, 2>(q, k, kv_base, keys, D, acc); break;
-    case 3: query_keys16<BF16, 3>(q, k, kv_base, keys, D, acc); break;
-    case 4: query_keys16<BF16, 4>(q, k, kv_base, keys, D, acc); break;
-    case 5: query_keys16<BF16, 5>(q, k, kv_base, keys, D, acc); break;
-    case 6: query_keys16<BF16, 6>(q, k, kv_base, keys, D, acc); break;
-    case 7: query_keys16<BF16, 7>(q, k, kv_base, keys, D, acc); break;
-    default: query_keys16<BF16, 8>(q, k, kv_base, keys, D, acc); break;
+  if (d < D) {
+    const int rest = static_cast<int>(D - d);
+    const V query = vload_n(q + d, rest);
+    for (int u = 0; u < 16; ++u) acc[u] = vfma(query, load_kv_n<BF16>(k, offsets[u] + d, rest), acc[u]);
   }
 }
 
@@ -683,7 +665,7 @@ static void attend_group(const AttentionParams& p, int64_t group, float* scratch
     for (int64_t h = 0; h < G; ++h) {
       const float* q = p.q + (first + h) * D;
       V acc[16];
-      query_keys16_heads<BF16>(q, p.k, kv_base, keys + i, D, acc);
+      query_keys16<BF16>(q, p.k, kv_base, keys + i, D, acc);
       vhsum16(acc, scores + h * stride + i);
     }
   }

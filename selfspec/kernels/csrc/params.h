@@ -108,10 +108,10 @@ struct NormParams {
 // Scratch a call needs per thread, in floats.
 // (4 columns of a row as the tiles read it, rounded up to 32 for bf16, and 16 to spare.)
 inline int64_t linear_scratch_floats(const LinearParams& p) { return 4 * (bf16_length(p.K) + 16); }
-// Attention: the allowed keys' indices, then every head of a group's scores, then its
-// denominators.
+// Attention: the allowed keys' indices, then their mask values, then every head of a group's
+// scores, then its denominators.
 inline int64_t attention_scratch_floats(const AttentionParams& p) {
-  return (2 + p.H / p.Hkv) * (p.T + 16) + p.H / p.Hkv + 16;  // keys, their mask values, scores
+  return (2 + p.H / p.Hkv) * (p.T + 16) + p.H / p.Hkv + 16;
 }
 
 }  // namespace selfspec_kernels
