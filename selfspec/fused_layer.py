@@ -186,6 +186,7 @@ class FusedLayer:
                     weight.minimum,
                     bias,
                     weight.group or weight.in_features,
+                    weight.out_features,
                 )
             )
         attention = self.layer.self_attn

@@ -259,7 +259,13 @@ def _rows(module, weight: KernelWeight, start: int, stop: int):
     """A ``KernelMatrix`` over output rows [start, stop) of ``weight`` (``output_rows``)."""
     rows = weight.output_rows(start, stop)
     return module.KernelMatrix(
-        rows.code, rows.data, rows.scale, rows.minimum, None, rows.group or rows.in_features
+        rows.code,
+        rows.data,
+        rows.scale,
+        rows.minimum,
+        None,
+        rows.group or rows.in_features,
+        rows.out_features,
     )
 
 

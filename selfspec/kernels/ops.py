@@ -21,6 +21,7 @@ from selfspec.kernels.weights import (
     STORED_AS,
     KernelWeight,
     activation_suffix,
+    column_table,
     integer_activations,
 )
 
@@ -51,6 +52,7 @@ def linear(
         weight.minimum,
         bias,
         weight.group or weight.in_features,
+        weight.out_features,
         extension.requested_isa(),
     )
 
@@ -135,9 +137,9 @@ def linear_int_fallback(
     block sums, then y = sum_b s_b d_b I_b (+ sum_b min_b d_b sum(codes_b) for Q4_1). Computes
     what the C++ kernel computes, in another order. # [M, N] float32"""
     n, blocks = codes.shape[0], codes.shape[1]
-    # The scale tables of an interleaved weight are [groups, N] (its codes are not needed here).
-    scale = weight.scale.t()
-    minimum = None if weight.minimum is None else weight.minimum.t()
+    # The tables per column [N, R] (an interleaved weight's are grouped by 16 columns).
+    scale = column_table(weight.scale, n)
+    minimum = None if weight.minimum is None else column_table(weight.minimum, n)
     if weight.stored != "q4_1":
         per_block = weight.group // ACTIVATION_BLOCK if weight.group < weight.in_features else 0
         if per_block:  # one scale per `per_block` blocks (the row's last group may be shorter)

@@ -16,7 +16,9 @@ float activations, and a mode of its own: within it every row is still computed 
 Both hold their codes interleaved by 16 output columns (``interleave``): one 64-byte load
 gives 4 codes of each of 16 columns, what one integer dot-product instruction multiplies by 4
 broadcast activation codes, so the per-block scaling is done once per 16 columns (see
-``csrc/body.h``). The same codes and scales, moved; ``row_major`` gives the plain layout back.
+``csrc/body.h``); their scales and minimums are grouped the same way ([groups of 16 columns,
+rows, 16]: a group's blocks read one line after another). The same codes and scales, moved;
+``row_major`` gives the plain layout back.
 
 ``int8_a24`` and ``q4_1_a24`` hold the same interleaved codes and compute with each block of 32
 activations as 24-bit integers under a power-of-two scale, cut into three int8 digits: three
@@ -67,9 +69,10 @@ class KernelWeight:
     out_features: int
     in_features: int
     scale: torch.Tensor | None = None
-    """float32 [N, groups] (int8) or [N, K / 32] (q4_1); transposed ([groups, N]) if interleaved."""
+    """float32 [N, groups] (int8) or [N, K / 32] (q4_1). Interleaved: [ceil(N / 16), groups, 16]
+    (``grouped_table``: group g's 16 columns side by side, the last group padded with 0)."""
     minimum: torch.Tensor | None = None
-    """float32 [N, K / 32] (q4_1); [K / 32, N] for q4_1_a8."""
+    """float32 [N, K / 32] (q4_1); interleaved (q4_1_a8, q4_1_a24) grouped like ``scale``."""
     group: int = 0
     """Weights per scale along a row (int8: ``in_features`` for per-channel; q4_1: 32)."""
 
@@ -101,12 +104,14 @@ class KernelWeight:
                     f"int8 group must be in_features or a power of two >= 16, got {self.group}"
                 )
             groups = 1 if self.group >= k else -(-k // self.group)
-            table = (groups, n) if self.format in STORED_AS else (n, groups)
+            table = _grouped_shape(n, groups) if self.format in STORED_AS else (n, groups)
             _check_table(self.scale, table, f"{self.format} scale")
         if stored == "q4_1":
             if self.group != Q4_BLOCK:
                 raise ValueError(f"q4_1 group must be {Q4_BLOCK}, got {self.group}")
-            table = (k // Q4_BLOCK, n) if self.format in STORED_AS else (n, k // Q4_BLOCK)
+            table = (
+                _grouped_shape(n, k // Q4_BLOCK) if self.format in STORED_AS else (n, k // Q4_BLOCK)
+            )
             _check_table(self.scale, table, f"{self.format} scale")
             _check_table(self.minimum, table, f"{self.format} min")
             # The kernels dequantize q * d + m with one fused multiply-add on one path and a
@@ -148,9 +153,8 @@ class KernelWeight:
         return dense.reshape(plain.out_features, plain.in_features)
 
     def output_rows(self, start: int, stop: int) -> KernelWeight:
-        """Output rows [start, stop) as a weight of their own: views of the codes (an interleaved
-        weight's rows must start and stop at groups of 16, or stop at its end); the scales of an
-        interleaved one copied (a column slice of its [groups, N] table)."""
+        """Output rows [start, stop) as a weight of their own: views of the codes and scales (an
+        interleaved weight's rows must start and stop at groups of 16, or stop at its end)."""
         if not 0 <= start <= stop <= self.out_features:
             raise ValueError(f"rows [{start}, {stop}) outside [0, {self.out_features})")
         rows = dict(out_features=stop - start)
@@ -168,12 +172,11 @@ class KernelWeight:
                 "fall on groups"
             )
         groups = slice(start // COLUMN_GROUP, -(-stop // COLUMN_GROUP))
-        minimum = None if self.minimum is None else self.minimum[:, start:stop].contiguous()
         return dataclasses.replace(
             self,
             data=self.data[groups],
-            scale=self.scale[:, start:stop].contiguous(),
-            minimum=minimum,
+            scale=self.scale[groups],
+            minimum=None if self.minimum is None else self.minimum[groups],
             **rows,
         )
 
@@ -203,14 +206,14 @@ class KernelWeight:
         data = data.reshape(rows.numel(), blocks, runs * 4)
         if self.stored == "int8":
             data = data.reshape(rows.numel(), self.in_features)
-        minimum = None if self.minimum is None else self.minimum[:, rows].t().contiguous()
+        minimum = None if self.minimum is None else column_table(self.minimum, n)[rows]
         return dataclasses.replace(
             self,
             format=self.stored,
             data=data.contiguous(),
             out_features=rows.numel(),
-            scale=self.scale[:, rows].t().contiguous(),
-            minimum=minimum,
+            scale=column_table(self.scale, n)[rows].contiguous(),
+            minimum=None if minimum is None else minimum.contiguous(),
         )
 
 
@@ -252,8 +255,8 @@ def interleave(weight: KernelWeight, suffix: str = "_a8") -> KernelWeight:
     """A q4_1 or int8 weight as q4_1_a8 / int8_a8 (or ``suffix`` ``_a24``): for each group of 16
     output columns and each block of 32 codes, the codes cut into runs of 4 elements (Q4_1: 4
     bytes = 4 elements in the low nibbles, 4 more in the high ones), run t of columns 0-15 side
-    by side in 64 bytes; scale and minimum transposed to [groups, N]. The last group is padded
-    with zero columns."""
+    by side in 64 bytes; scale and minimum grouped the same way (``grouped_table``). The last
+    group is padded with zero columns."""
     n, blocks = weight.out_features, weight.in_features // ACTIVATION_BLOCK
     groups = -(-n // COLUMN_GROUP)
     runs = _interleaved_runs(weight.format)
@@ -261,14 +264,32 @@ def interleave(weight: KernelWeight, suffix: str = "_a8") -> KernelWeight:
     data[:n] = weight.data.reshape(n, blocks * runs * 4)
     # [G, 16 columns, blocks, runs, 4 bytes] -> [G, blocks, runs, 16, 4]
     data = data.view(groups, COLUMN_GROUP, blocks, runs, 4).permute(0, 2, 3, 1, 4)
-    minimum = None if weight.minimum is None else weight.minimum.t().contiguous()
+    minimum = None if weight.minimum is None else grouped_table(weight.minimum)
     return dataclasses.replace(
         weight,
         format=weight.format + suffix,
         data=data.reshape(groups, blocks, runs, 64).contiguous(),
-        scale=weight.scale.t().contiguous(),
+        scale=grouped_table(weight.scale),
         minimum=minimum,
     )
+
+
+def grouped_table(table: torch.Tensor) -> torch.Tensor:
+    """A per-column table # [N, R] (scales or minimums, R per output column) grouped like the
+    interleaved codes: column c of group g at [g, :, c]. # [ceil(N / 16), R, 16]"""
+    n, r = table.shape
+    padded = table.new_zeros(-(-n // COLUMN_GROUP) * COLUMN_GROUP, r)
+    padded[:n] = table
+    return padded.view(-1, COLUMN_GROUP, r).transpose(1, 2).contiguous()
+
+
+def column_table(grouped: torch.Tensor, n: int) -> torch.Tensor:
+    """``grouped_table`` undone: the table per output column. # [n, R]"""
+    return grouped.transpose(1, 2).reshape(-1, grouped.shape[1])[:n]
+
+
+def _grouped_shape(n: int, rows: int) -> tuple[int, int, int]:
+    return (-(-n // COLUMN_GROUP), rows, COLUMN_GROUP)
 
 
 def _interleaved_runs(stored: str) -> int:
@@ -288,7 +309,7 @@ def _check_int8_activations(format: str, k: int, group: int) -> None:
         )
 
 
-def _check_table(table: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:
+def _check_table(table: torch.Tensor | None, shape: tuple[int, ...], what: str) -> None:
     if table is None or table.dtype != torch.float32 or tuple(table.shape) != shape:
         got = "nothing" if table is None else f"{table.dtype} {list(table.shape)}"
         raise ValueError(f"{what} must be float32 {list(shape)}, got {got}")

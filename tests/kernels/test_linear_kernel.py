@@ -404,12 +404,13 @@ def test_the_extension_checks_its_arguments() -> None:
             None,
             None,
             4,
+            3,
             "auto",
         )
     with pytest.raises(RuntimeError, match="x has 4 features, the weight takes 5"):
-        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 5), None, None, None, 4, "auto")
+        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 5), None, None, None, 4, 3, "auto")
     with pytest.raises(RuntimeError, match="unknown instruction set"):
-        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 4), None, None, None, 4, "sse9")
+        module.linear(torch.zeros(2, 4), 0, torch.zeros(3, 4), None, None, None, 4, 3, "sse9")
 
 
 @pytest.mark.skipif(not cpp_paths(), reason="the C++ kernels are not built here")

@@ -363,23 +363,25 @@ SS_INLINE V add_block(V acc, V sum, V s, V mn, float d, float S) {
 template <int64_t FORMAT>
 constexpr int64_t kGroupBlockBytes = stored_format(FORMAT) == kQ4_1 ? 256 : 512;
 
-// Block b's scales `s` and (Q4_1) minimums `mn` of the 16 columns from n0 (`live` of them real;
-// the rest read as 0), with the next group's lines prefetched (a line per block each, N floats
-// apart; the codes are one stream, prefetched by the callers).
+// Block b's scales `s` and (Q4_1) minimums `mn` of the 16 columns from n0 (a padded column reads
+// 0). The tables are grouped like the codes ([ceil(N / 16), rows, 16], params.h): a group's
+// blocks read one line after another, one stream per table, prefetched 4 blocks ahead (read
+// [rows, N] instead, a block's line lay N floats past the last one's: at one row, 40 % of a
+// Q4_1 layer's time went to waiting for those lines, AMX Xeon).
 template <int64_t FORMAT>
-SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, int live, V& s, V& mn) {
-  const int64_t N = p.N;
-  // The scale row of block b ([K / group, N]; per-channel int8: one row).
+SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, V& s, V& mn) {
   constexpr bool q4 = stored_format(FORMAT) == kQ4_1;
+  const int64_t rows = q4 ? p.K / 32 : scale_rows(p);
   const int64_t row = q4 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
-  const float* scale = p.scale + row * N + n0;
+  const int64_t at = ((n0 / 16) * rows + row) * 16;
+  const float* scale = p.scale + at;
   _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
-  s = live == 16 ? vload(scale) : vload_n(scale, live);
+  s = vload(scale);
   mn = vzero();
   if constexpr (q4) {
-    const float* minimum = p.minimum + b * N + n0;
+    const float* minimum = p.minimum + at;
     _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
-    mn = live == 16 ? vload(minimum) : vload_n(minimum, live);
+    mn = vload(minimum);
   }
 }
 
@@ -421,7 +423,6 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
   constexpr bool q4 = stored_format(FORMAT) == kQ4_1;
   const int64_t blocks = p.K / 32, n0 = 16 * g;
   const int64_t plane = p.M * p.K, corr_plane = p.M * blocks;  // *_A24's digit planes
-  const int live = static_cast<int>(min64(16, p.N - n0));
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   V acc[R];
 #pragma GCC unroll 16
@@ -443,7 +444,7 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
       _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     }
     V s, mn;
-    block_scales<FORMAT>(p, b, n0, live, s, mn);
+    block_scales<FORMAT>(p, b, n0, s, mn);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t row_block = (m + r) * blocks + b;

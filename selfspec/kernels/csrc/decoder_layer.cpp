@@ -327,9 +327,10 @@ void register_decoder_layer(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<KernelMatrix>(m, "KernelMatrix")
       .def(py::init<int64_t, torch::Tensor, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>(),
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t,
+                    int64_t>(),
            py::arg("format"), py::arg("weight"), py::arg("scale"), py::arg("minimum"),
-           py::arg("bias"), py::arg("group"))
+           py::arg("bias"), py::arg("group"), py::arg("out_features"))
       .def_readonly("N", &KernelMatrix::N)
       .def_readonly("K", &KernelMatrix::K);
   py::class_<DecoderLayerPlan>(m, "DecoderLayerPlan")

@@ -119,7 +119,6 @@ void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uin
                 V* out) {
   constexpr bool digits = activation_planes(FORMAT) == 3;
   const int64_t blocks = p.K / 32, n0 = 16 * g;
-  const int live = static_cast<int>(min64(16, p.N - n0));
   alignas(64) int32_t sums[2][3][16 * 16];
   for (int r = 0; r < rows; ++r) out[r] = vzero();
   issue_block<FORMAT>(p, m, g, 0, spread);
@@ -132,7 +131,7 @@ void group_rows(const LinearParams& p, int64_t m, int rows, int64_t g, const uin
     }
     if (b + 1 < blocks) issue_block<FORMAT>(p, m, g, b + 1, spread);
     V s, mn;
-    block_scales<FORMAT>(p, b, n0, live, s, mn);
+    block_scales<FORMAT>(p, b, n0, s, mn);
     for (int r = 0; r < rows; ++r) {
       const int64_t row_block = (m + r) * blocks + b;
       const V sum = digits ? combine_digits(stored_sums(stored[2], r), stored_sums(stored[1], r),

@@ -172,13 +172,48 @@ std::vector<std::string> supported_isas() {
 KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
                            c10::optional<torch::Tensor> scale_,
                            c10::optional<torch::Tensor> minimum_,
-                           c10::optional<torch::Tensor> bias_, int64_t group_)
+                           c10::optional<torch::Tensor> bias_, int64_t group_, int64_t out_features)
     : format(format_), group(group_), weight(std::move(weight_)), scale(std::move(scale_)),
       minimum(std::move(minimum_)), bias(std::move(bias_)) {
   check_cpu(weight, "weight");
   TORCH_CHECK(weight.dim() >= 2, "weight must be [N, ...], got ", weight.dim(), " dimensions");
-  N = weight.size(0);
-  switch (stored_format(format)) {
+  N = out_features;
+  TORCH_CHECK(N >= 0, "a weight's output features cannot be negative, got ", N);
+  // An interleaved weight's scale and min tables: [ceil(N / 16), rows, 16] (params.h).
+  auto check_grouped = [&](const c10::optional<torch::Tensor>& table, const char* name,
+                           int64_t rows) {
+    TORCH_CHECK(table.has_value(), "an interleaved weight needs its ", name);
+    check_cpu(*table, name);
+    TORCH_CHECK(table->scalar_type() == torch::kFloat32 && table->dim() == 3 &&
+                    table->size(0) == (N + 15) / 16 && table->size(1) == rows &&
+                    table->size(2) == 16,
+                "interleaved ", name, " must be float32 [", (N + 15) / 16, ", ", rows,
+                ", 16] (N = ", N, "), got ", table->scalar_type(), " ", table->sizes());
+  };
+  if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, runs, 64]
+    const bool q4 = stored_format(format) == kQ4_1;
+    TORCH_CHECK(weight.scalar_type() == (q4 ? torch::kUInt8 : torch::kInt8) && weight.dim() == 4 &&
+                    weight.size(0) == (N + 15) / 16 && weight.size(2) == (q4 ? 4 : 8) &&
+                    weight.size(3) == 64,
+                q4 ? "q4_1_a8 / q4_1_a24 weight must be uint8 [" : "int8_a8 / int8_a24 weight must be int8 [",
+                (N + 15) / 16, ", K / 32, ", q4 ? 4 : 8, ", 64] (N = ", N, "), got ",
+                weight.scalar_type(), " ", weight.sizes());
+    K = weight.size(1) * 32;
+    if (q4) {
+      check_grouped(scale, "scale", K / 32);
+      check_grouped(minimum, "min", K / 32);
+    } else {
+      TORCH_CHECK(group >= K || (group >= 32 && (group & (group - 1)) == 0),
+                  "interleaved int8 group must be K or a power of two >= 32, got ", group);
+      check_grouped(scale, "scale", group >= K ? 1 : (K + group - 1) / group);
+    }
+  } else {
+    TORCH_CHECK(weight.size(0) == N, "a weight of ", N, " output features has ", weight.size(0),
+                " rows");
+  }
+  switch (integer_activations(format) ? -1 : stored_format(format)) {
+    case -1:
+      break;
     case kFloat32:
       TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
                   "float32 weight must be [N, K] float32");
@@ -190,23 +225,6 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       K = weight.size(1);
       break;
     case kInt8: {
-      if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 8, 64]
-        TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 4 && weight.size(2) == 8 &&
-                        weight.size(3) == 64,
-                    "int8_a8 / int8_a24 weight must be int8 [ceil(N / 16), K / 32, 8, 64]");
-        K = weight.size(1) * 32;
-        TORCH_CHECK(group >= K || (group >= 32 && (group & (group - 1)) == 0),
-                    "interleaved int8 group must be K or a power of two >= 32, got ", group);
-        TORCH_CHECK(scale.has_value(), "interleaved int8 weight needs a scale");
-        check_cpu(*scale, "scale");
-        const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
-        TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->dim() == 2 && scale->size(0) == groups,
-                    "interleaved int8 scale must be float32 [", groups, ", N]");
-        N = scale->size(1);
-        TORCH_CHECK(weight.size(0) == (N + 15) / 16, "interleaved int8 weight [", weight.size(0),
-                    ", ...] does not fit its scale [", groups, ", ", N, "]");
-        break;
-      }
       TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2, "int8 weight must be [N, K] int8");
       K = weight.size(1);
       TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
@@ -219,22 +237,7 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
       break;
     }
     case kQ4_1: {
-      if (integer_activations(format)) {  // interleaved by 16 columns: [G, K / 32, 4, 64]
-        TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 4 && weight.size(2) == 4 &&
-                        weight.size(3) == 64,
-                    "q4_1_a8 / q4_1_a24 weight must be uint8 [ceil(N / 16), K / 32, 4, 64]");
-        TORCH_CHECK(scale.has_value() && minimum.has_value(), "interleaved q4_1 weight needs scale and min");
-        check_cpu(*scale, "scale");
-        check_cpu(*minimum, "min");
-        K = weight.size(1) * 32;
-        TORCH_CHECK(scale->dim() == 2 && scale->size(0) == K / 32, "interleaved q4_1 scale must be float32 [K / 32, N]");
-        N = scale->size(1);
-        TORCH_CHECK(weight.size(0) == (N + 15) / 16 && scale->scalar_type() == torch::kFloat32 &&
-                        minimum->scalar_type() == torch::kFloat32 && minimum->sizes() == scale->sizes(),
-                    "interleaved q4_1 weight [", weight.size(0), ", ...] does not fit scale and min float32 [K / 32, N]");
-        break;
-      }
-      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && N > 0 && weight.numel() % (N * 16) == 0,
+      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.numel() % (N * 16) == 0,
                   "q4_1 weight must be uint8 [N, K / 32, 16]");
       K = weight.numel() / N * 2;
       TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1 weight needs scale and min");
@@ -460,14 +463,16 @@ std::vector<torch::Tensor> run_linears(const torch::Tensor& x_given,
 }
 
 // `weight` by format: fp32 / bf16 / int8 [N, K], or uint8 [N, K / 32, 16] for q4_1; `scale`
-// [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1). The matrix is checked on every call:
+// [N, groups] (int8, q4_1), `minimum` [N, K / 32] (q4_1); the interleaved formats' as params.h
+// says (their N, `out_features`, not in their shapes). The matrix is checked on every call:
 // a layer called many times holds a KernelMatrix instead (decoder_layer.cpp).
 torch::Tensor linear(const torch::Tensor& x, int64_t format, const torch::Tensor& weight,
                      const c10::optional<torch::Tensor>& scale,
                      const c10::optional<torch::Tensor>& minimum,
                      const c10::optional<torch::Tensor>& bias, int64_t group,
-                     const std::string& isa) {
-  return run_linear(x, KernelMatrix(format, weight, scale, minimum, bias, group), isa, {});
+                     int64_t out_features, const std::string& isa) {
+  return run_linear(x, KernelMatrix(format, weight, scale, minimum, bias, group, out_features),
+                    isa, {});
 }
 
 // linear over the weight rows `rows` only (int64 [N']): y [..., N'], column j = x . w[rows[j]];
@@ -476,7 +481,9 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t format, const torch::T
                           const c10::optional<torch::Tensor>& scale,
                           const c10::optional<torch::Tensor>& minimum, int64_t group,
                           const torch::Tensor& rows, const std::string& isa) {
-  return run_linear(x, KernelMatrix(format, weight, scale, minimum, {}, group), isa, rows);
+  // Interleaved weights are refused there (run_linear): the weight's rows are its outputs.
+  return run_linear(x, KernelMatrix(format, weight, scale, minimum, {}, group, weight.size(0)),
+                    isa, rows);
 }
 
 // q [B, S, H, D] fp32; k, v [B, Hkv, T, D] fp32 or bf16; mask [B, S, T] fp32 additive (<= -1e30

@@ -13,7 +13,7 @@ namespace selfspec_kernels {
 struct KernelMatrix {
   KernelMatrix(int64_t format, torch::Tensor weight, c10::optional<torch::Tensor> scale,
                c10::optional<torch::Tensor> minimum, c10::optional<torch::Tensor> bias,
-               int64_t group);
+               int64_t group, int64_t out_features);
   int64_t format, group;
   int64_t N = 0, K = 0;
   torch::Tensor weight;

@@ -27,10 +27,12 @@ enum WeightFormat : int64_t {
   // W8A8, llama.cpp's arithmetic): integer dot products per block, see body.h. K % 32 == 0.
   kQ4_1_A8 = 4,   // kQ4_1's bytes interleaved by 16 columns: w uint8 [ceil(N / 16), K / 32, 4, 64]
                   //    (per group and block, run t: bytes 4t..4t+3 of columns 0-15); scale, min:
-                  //    float [K / 32, N]
+                  //    float [ceil(N / 16), K / 32, 16], grouped like the codes (group g's 16
+                  //    columns' values per block; the last group's padded columns 0)
   kInt8_A8 = 5,   // kInt8's codes interleaved by 16 columns: w int8 [ceil(N / 16), K / 32, 8, 64]
                   //    (per group and block, run t: elements 4t..4t+3 of columns 0-15); scale:
-                  //    float [K / group, N] (group a multiple of 32, or K: one row)
+                  //    float [ceil(N / 16), scale_rows, 16] grouped the same way (scale_rows =
+                  //    K / group, group a multiple of 32; or K: one row)
   // The same interleaved weights with each block of 32 activations as integers of 23 bits under
   // a power-of-two scale, cut into three int8 digits (body.h): three integer dot products per
   // block, summed exactly; float32-grade activations (the exact mode's arithmetic on AMX).
@@ -65,8 +67,8 @@ SS_INLINE int64_t bf16_length(int64_t K) { return (K + 31) / 32 * 32; }
 struct LinearParams {
   const float* x;        // [M, K] fp32 activations (kBFloat16: [M, bf16_length(K)], reordered)
   const void* w;         // the weight, laid out as `format` says
-  const float* scale;    // [N, K / group] (int8, q4_1) or null
-  const float* minimum;  // [N, K / 32] (q4_1) or null
+  const float* scale;    // [N, K / group] (int8, q4_1; interleaved: grouped, see above) or null
+  const float* minimum;  // [N, K / 32] (q4_1; interleaved: grouped) or null
   const float* bias;     // [N] or null
   float* y;              // [M, N] output
   int64_t M, N, K;
@@ -84,6 +86,11 @@ struct LinearParams {
   // in its own order (isa_avx512bf16.cpp), or null.
   const uint16_t* x_bf16;  // [M, bf16_length(K)]
 };
+
+// Scales per weight row: 1 (one per row), or one per `group` elements (the last maybe shorter).
+SS_INLINE int64_t scale_rows(const LinearParams& p) {
+  return p.group_shift < 0 ? 1 : (p.K + p.group - 1) / p.group;
+}
 
 struct AttentionParams {
   const float* q;        // [B, S, H, D] fp32, rotated
