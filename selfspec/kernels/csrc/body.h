@@ -130,7 +130,7 @@ SS_INLINE void dot_tile(const float* const* x_rows, Load load, LoadPair load_pai
   auto prefetch = [&](int64_t count) __attribute__((always_inline)) {
     for (int64_t j = 0; j < count && line < to; ++j, line += 64) {
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + line, SS_WEIGHT_PREFETCH);
     }
   };
   // Chunk k of every row into its accumulators: lane k % 16, chunks in ascending k.
@@ -375,12 +375,12 @@ SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, V& s, 
   const int64_t row = q4 ? b : (p.group_shift < 0 ? 0 : (32 * b) >> p.group_shift);
   const int64_t at = ((n0 / 16) * rows + row) * 16;
   const float* scale = p.scale + at;
-  _mm_prefetch(reinterpret_cast<const char*>(scale + 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scale + 64), SS_WEIGHT_PREFETCH);
   s = vload(scale);
   mn = vzero();
   if constexpr (q4) {
     const float* minimum = p.minimum + at;
-    _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(minimum + 64), SS_WEIGHT_PREFETCH);
     mn = vload(minimum);
   }
 }
@@ -441,7 +441,7 @@ SS_INLINE void group_tile(const LinearParams& p, int64_t m, int64_t g, V* out) {
     const uint8_t* ahead = w + (4 * blocks + b) * bytes;
 #pragma GCC unroll 8
     for (int64_t line = 0; line < bytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + line), SS_WEIGHT_PREFETCH);
     }
     V s, mn;
     block_scales<FORMAT>(p, b, n0, s, mn);

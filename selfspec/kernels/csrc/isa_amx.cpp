@@ -82,7 +82,7 @@ SS_INLINE void issue_block(const LinearParams& p, int64_t m, int64_t g, int64_t 
   const uint8_t* w = static_cast<const uint8_t*>(p.w) + g * blocks * bytes;
   const uint8_t* ahead = w + (4 * blocks + b) * bytes;  // four groups on
   for (int64_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), SS_WEIGHT_PREFETCH);
   }
   const int8_t* x = p.xq + m * K + 32 * b;
   _tile_zero(0);

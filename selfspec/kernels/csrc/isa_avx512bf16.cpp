@@ -42,7 +42,7 @@ SS_INLINE void dot_tile(const uint16_t* const* x, const uint16_t* const* w, int6
     }
     if (next) {
 #pragma GCC unroll 16
-      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + 64 * b, _MM_HINT_T0);
+      for (int c = 0; c < C; ++c) _mm_prefetch(next[c] + 64 * b, SS_WEIGHT_PREFETCH);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
