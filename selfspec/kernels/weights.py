@@ -206,14 +206,15 @@ class KernelWeight:
         data = data.reshape(rows.numel(), blocks, runs * 4)
         if self.stored == "int8":
             data = data.reshape(rows.numel(), self.in_features)
+        # Indexed by `rows`: new tensors, [N', R] each.
         minimum = None if self.minimum is None else column_table(self.minimum, n)[rows]
         return dataclasses.replace(
             self,
             format=self.stored,
             data=data.contiguous(),
             out_features=rows.numel(),
-            scale=column_table(self.scale, n)[rows].contiguous(),
-            minimum=None if minimum is None else minimum.contiguous(),
+            scale=column_table(self.scale, n)[rows],
+            minimum=minimum,
         )
 
 
