@@ -366,8 +366,8 @@ constexpr int64_t kGroupBlockBytes = stored_format(FORMAT) == kQ4_1 ? 256 : 512;
 // Block b's scales `s` and (Q4_1) minimums `mn` of the 16 columns from n0 (a padded column reads
 // 0). The tables are grouped like the codes ([ceil(N / 16), rows, 16], params.h): a group's
 // blocks read one line after another, one stream per table, prefetched 4 blocks ahead (read
-// [rows, N] instead, a block's line lay N floats past the last one's: at one row, 40 % of a
-// Q4_1 layer's time went to waiting for those lines, AMX Xeon).
+// [rows, N] instead, a block's line lay N floats past the last one's: at one row, ~40 % of the
+// Q4_1 kernel's perf samples sat on those loads, AMX Xeon).
 template <int64_t FORMAT>
 SS_INLINE void block_scales(const LinearParams& p, int64_t b, int64_t n0, V& s, V& mn) {
   constexpr bool q4 = stored_format(FORMAT) == kQ4_1;
