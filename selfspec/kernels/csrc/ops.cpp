@@ -210,46 +210,44 @@ KernelMatrix::KernelMatrix(int64_t format_, torch::Tensor weight_,
   } else {
     TORCH_CHECK(weight.size(0) == N, "a weight of ", N, " output features has ", weight.size(0),
                 " rows");
-  }
-  switch (integer_activations(format) ? -1 : stored_format(format)) {
-    case -1:
-      break;
-    case kFloat32:
-      TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
-                  "float32 weight must be [N, K] float32");
-      K = weight.size(1);
-      break;
-    case kBFloat16:
-      TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2,
-                  "bfloat16 weight must be [N, K] bfloat16");
-      K = weight.size(1);
-      break;
-    case kInt8: {
-      TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2, "int8 weight must be [N, K] int8");
-      K = weight.size(1);
-      TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
-                  "int8 group must be K or a power of two >= 16, got ", group);
-      TORCH_CHECK(scale.has_value(), "int8 weight needs a scale");
-      const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
-      check_cpu(*scale, "scale");
-      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * groups,
-                  "int8 scale must be float32 [N, ", groups, "]");
-      break;
+    switch (stored_format(format)) {
+      case kFloat32:
+        TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+                    "float32 weight must be [N, K] float32");
+        K = weight.size(1);
+        break;
+      case kBFloat16:
+        TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2,
+                    "bfloat16 weight must be [N, K] bfloat16");
+        K = weight.size(1);
+        break;
+      case kInt8: {
+        TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.dim() == 2, "int8 weight must be [N, K] int8");
+        K = weight.size(1);
+        TORCH_CHECK(group >= K || (group >= 16 && (group & (group - 1)) == 0),
+                    "int8 group must be K or a power of two >= 16, got ", group);
+        TORCH_CHECK(scale.has_value(), "int8 weight needs a scale");
+        const int64_t groups = group >= K ? 1 : (K + group - 1) / group;
+        check_cpu(*scale, "scale");
+        TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * groups,
+                    "int8 scale must be float32 [N, ", groups, "]");
+        break;
+      }
+      case kQ4_1: {
+        TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && N > 0 && weight.numel() % (N * 16) == 0,
+                    "q4_1 weight must be uint8 [N, K / 32, 16]");
+        K = weight.numel() / N * 2;
+        TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1 weight needs scale and min");
+        check_cpu(*scale, "scale");
+        check_cpu(*minimum, "min");
+        TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * (K / 32) &&
+                        minimum->scalar_type() == torch::kFloat32 && minimum->numel() == N * (K / 32),
+                    "q4_1 scale and min must be float32 [N, K / 32]");
+        break;
+      }
+      default:
+        TORCH_CHECK(false, "unknown weight format ", format);
     }
-    case kQ4_1: {
-      TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.numel() % (N * 16) == 0,
-                  "q4_1 weight must be uint8 [N, K / 32, 16]");
-      K = weight.numel() / N * 2;
-      TORCH_CHECK(scale.has_value() && minimum.has_value(), "q4_1 weight needs scale and min");
-      check_cpu(*scale, "scale");
-      check_cpu(*minimum, "min");
-      TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->numel() == N * (K / 32) &&
-                      minimum->scalar_type() == torch::kFloat32 && minimum->numel() == N * (K / 32),
-                  "q4_1 scale and min must be float32 [N, K / 32]");
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "unknown weight format ", format);
   }
   TORCH_CHECK(format >= kFloat32 && format <= kInt8_A24, "unknown weight format ", format);
   if (integer_activations(format)) {

@@ -95,9 +95,10 @@ struct LinearParams {
   const uint16_t* x_bf16;  // [M, bf16_length(K)]
 };
 
-// Scales per weight row: 1 (one per row), or one per `group` elements (the last maybe shorter).
+// Scales per weight row: 1 (one per row), or one per `group` elements (the last maybe shorter;
+// group a power of two: a shift, not a division, in the kernels' block loops).
 SS_INLINE int64_t scale_rows(const LinearParams& p) {
-  return p.group_shift < 0 ? 1 : (p.K + p.group - 1) / p.group;
+  return p.group_shift < 0 ? 1 : (p.K + p.group - 1) >> p.group_shift;
 }
 
 struct AttentionParams {
