@@ -9,7 +9,8 @@ namespace selfspec_kernels {
 // A linear layer's weight as the kernel reads it, checked once when made. `weight` by format
 // (params.h): fp32 / bf16 / int8 [N, K], or uint8 [N, K / 32, 16] for q4_1; `scale` [N, groups]
 // (int8, q4_1), `minimum` [N, K / 32] (q4_1), `bias` [N] fp32; `group`: elements per int8 scale.
-// The *_A8 formats are interleaved by 16 columns, their scales [groups, N] (params.h).
+// The *_A8 / *_A24 formats are interleaved by 16 columns, their scales and minimums grouped
+// the same way ([ceil(N / 16), rows, 16], params.h): N is `out_features`, not in their shapes.
 struct KernelMatrix {
   KernelMatrix(int64_t format, torch::Tensor weight, c10::optional<torch::Tensor> scale,
                c10::optional<torch::Tensor> minimum, c10::optional<torch::Tensor> bias,
