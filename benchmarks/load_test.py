@@ -2,11 +2,12 @@
 
 Starts the server in this process on 127.0.0.1 (a free port) with the embedded default model, the
 shipped EAGLE heads, the shipped example adapters and the default tree (`auto`: adaptive, sized
-from this machine's cost curve). Then, for each cell of the matrix
+from this machine's cost curve). Then, for each cell of the matrix (`--batching`: those rows only)
 
     speculation on / off  (the request field "speculation": false = vanilla decoding)
   x batching              one-forward: max_running = clients, the running requests' trees
-                          verified in ONE target forward (mixed adapters, ragged trees);
+                          verified in ONE target forward (mixed adapters, ragged trees
+                          back to back on the kernels);
                           interleaved: max_running = clients, one forward per request;
                           off: max_running = 1, one request at a time
 
@@ -341,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--phases", type=int, default=2, help="phases per cell, on and off alternating (ABBA)"
     )
+    parser.add_argument(
+        "--batching",
+        nargs="+",
+        choices=BATCHING,
+        default=list(BATCHING),
+        help="which batching cells to run (each with speculation on and off)",
+    )
     parser.add_argument("--prompts", type=Path, default=HELDOUT)
     parser.add_argument("--out", type=Path, default=Path("runs/load_test"))
     args = parser.parse_args(argv)
@@ -377,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{config.clients} clients, {config.duration:g} s per cell", flush=True)
     cells: list[Cell] = []
     references: dict[tuple[str, int], str] = {}
-    for batching in BATCHING:
+    batchings = [b for b in BATCHING if b in args.batching]
+    for batching in batchings:
         max_running = 1 if batching == "off" else config.clients
         state = replace(
             base,
@@ -392,13 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                 for speculation in (True, False) if phase % 2 == 0 else (False, True):
                     run_cell(url, pair[speculation], config.phase(), models, prompts, phase)
             cells += [pair[True], pair[False]]
-            if batching == "off" and config.temperature == 0:  # the last server, now idle
+            if batching == batchings[-1] and config.temperature == 0:  # the last, now idle
                 references = serial_references(url, cells, config, prompts)
 
     rows = [summarize(cell, references) for cell in cells]
     table = markdown(rows)
     report = {
-        "config": asdict(config),
+        "config": {**asdict(config), "batching": batchings},
         "models": models,
         "tree": "auto (adaptive, this machine's cost curve)",
         "machine": {"platform": platform.platform(), **machine_record()},

@@ -1,17 +1,18 @@
 """One target forward that verifies the trees of several requests, each over its own KV cache.
 
-Requests have caches of different lengths and trees of different sizes. The forward runs the
-trees as a padded batch (row b: request b's tree of T_b nodes, padded to T = max T_b); the 4D
-mask lets each tree node see its request's cache and its own ancestors, nothing else; a padding
-node sees only itself (a fully masked row would be NaN). Masked keys get exactly zero attention
-weight, so each row's features are the request's own.
-
-On the kernels' whole-body path (``LeanBody.rows_forward``) each row attends over its request's
-own cache, read in place, and its tree's entries are written straight into it: no cache is
-copied, and the results are bit-identical to the request's forward of its own (row-invariant
-kernels). Elsewhere the caches are stacked into one batch (each padded to the longest, copied
-once per step) and each request's tree entries appended to its cache afterwards, exactly as a
-forward of its own would have done (up to the batched kernels' summation order).
+Requests have caches of different lengths and trees of different sizes. On the kernels'
+whole-body path (``LeanBody.rows_forward``) the trees run back to back, none padded (the
+linear layers take every node at once; each tree attends over its request's own cache, read in
+place, under its own tree mask, and its entries are written straight into it): no cache is
+copied and no padding row computed, and the results are bit-identical to the request's forward
+of its own (row-invariant kernels; a mixed-adapter batch's LoRA deltas added to each tree's
+rows with its own adapter's weights). Elsewhere (no kernels, or peft's adapter hooks) the
+caches are stacked into one padded batch (row b: request b's tree of T_b nodes, padded to T =
+max T_b, a padding node seeing only itself, as a fully masked row would be NaN; each cache
+padded to the longest, copied once per step) and each request's tree entries appended to its
+cache afterwards, exactly as a forward of its own would have done (up to the batched kernels'
+summation order). Masked keys get exactly zero attention weight, so
+each row's features are the request's own.
 ``GenerationStream.conclude`` then verifies and commits as usual.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -28,18 +30,41 @@ from selfspec.generation import DraftedStep, RequestState
 from selfspec.target_forward import TargetForward
 
 
+@dataclass(frozen=True)
+class VerifiedRows:
+    features: list[torch.Tensor]
+    """Each request's tree features # [T_b, H]."""
+    forward_tokens: int
+    """The rows the forward computed: the trees' nodes (back to back), or the batch times the
+    largest tree (padded); what a cost curve prices."""
+
+
 def verify_features(
     target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
 ) -> list[torch.Tensor]:
+    """Each request's tree features # [T_b, H] from one forward (``verify_rows``)."""
+    return verify_rows(target, requests).features
+
+
+def ragged_possible(target: TargetForward) -> bool:
+    """Whether trees verified on ``target`` now run back to back (``verify_rows``): where the
+    kernels' whole body runs, with the LoRA bank's adapters (one, or one per request) or none;
+    peft's adapter layers keep it from running, and the trees are padded then."""
+    return target.whole_body_runs()
+
+
+def verify_rows(
+    target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
+) -> VerifiedRows:
     """Run the trees of ``requests`` through the target in one forward.
 
-    Returns each request's tree features # [T_b, H]; each request's cache has its tree's KV
-    entries appended (as ``TargetForward.features`` does for one request), and a request whose
-    heads read tapped layers (EAGLE-3) gets their states in ``state.draft_features``."""
+    Each request's cache has its tree's KV entries appended (as ``TargetForward.features``
+    does for one request), and a request whose heads read tapped layers (EAGLE-3) gets their
+    states in ``state.draft_features``. The trees run back to back with no padding where the
+    kernels' whole body can take them so (``ragged_possible``); else padded to the largest."""
     if not requests:
-        return []
+        return VerifiedRows([], 0)
     sizes = [drafted.tree.size for _, drafted in requests]
-    lengths = [state.committed_len for state, _ in requests]
     for state, _ in requests:
         cached = state.cache.get_seq_length()
         if cached != state.committed_len:
@@ -47,6 +72,55 @@ def verify_features(
                 f"a request's cache holds {cached} entries but {state.committed_len} are "
                 "committed: its previous step was not concluded"
             )
+    taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
+    with contextlib.ExitStack() as stack:
+        records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
+        with record_function("selfspec.verify_forward"):
+            features = _ragged_forward(target, requests)  # [1, N, H]
+            ragged = features is not None
+            if not ragged:
+                features = _padded_forward(target, requests)  # [B, T, H]
+    tapped = {key: _split(record.stacked(), sizes, ragged) for key, record in records.items()}
+    for row, (state, _) in enumerate(requests):
+        if state.taps is not None:
+            state.draft_features = tapped[id(state.taps)][row]  # [T_b, k * H]
+    computed = sum(sizes) if ragged else len(sizes) * max(sizes)
+    return VerifiedRows(_split(features, sizes, ragged), computed)
+
+
+def _split(rows: torch.Tensor, sizes: Sequence[int], ragged: bool) -> list[torch.Tensor]:
+    """Each request's rows # [T_b, ...] of a ragged [1, N, ...] or padded [B, T, ...] forward."""
+    if ragged:
+        return list(rows[0].split(list(sizes)))
+    return [rows[row, :size] for row, size in enumerate(sizes)]
+
+
+def _ragged_forward(
+    target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
+) -> torch.Tensor | None:
+    """The trees back to back in one whole-body forward over each request's own cache, none
+    padded # [1, N, H]; None where that cannot run (nothing is written then)."""
+    with record_function("selfspec.batch_buffers"):
+        tokens = torch.cat([drafted.tree.tokens for _, drafted in requests])[None]  # [1, N]
+        positions = torch.cat(  # [1, N]
+            [drafted.buffers.position_ids[0] for _, drafted in requests]
+        )[None]
+        masks = [  # [1, T_b, L_b + T_b] each
+            drafted.buffers.attention_mask[0].to(target.dtype) for _, drafted in requests
+        ]
+    sizes = [drafted.tree.size for _, drafted in requests]
+    return target.features_rows(
+        tokens, positions, [state.cache for state, _ in requests], sizes, masks, lengths=sizes
+    )
+
+
+def _padded_forward(
+    target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
+) -> torch.Tensor:
+    """The trees as a batch padded to the largest, over each request's own cache where the
+    whole body runs, else over the caches stacked into one batch # [B, T, H]."""
+    sizes = [drafted.tree.size for _, drafted in requests]
+    lengths = [state.committed_len for state, _ in requests]
     batch, prefix, width = len(requests), max(lengths), max(sizes)
     device = target.device
     with record_function("selfspec.batch_buffers"):
@@ -62,20 +136,12 @@ def verify_features(
             _tree_mask(drafted, length, width, target.dtype)
             for (_, drafted), length in zip(requests, lengths, strict=True)
         ]
-    taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
-    with contextlib.ExitStack() as stack:
-        records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
-        with record_function("selfspec.verify_forward"):
-            features = target.features_rows(  # over each request's own cache, none copied
-                tokens, positions, [state.cache for state, _ in requests], sizes, masks
-            )
-        if features is None:
-            features = _stacked_forward(target, requests, tokens, positions, masks, prefix)
-    tapped = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H] each
-    for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True)):
-        if state.taps is not None:
-            state.draft_features = tapped[id(state.taps)][row, :size]  # [T_b, k * H]
-    return [features[row, :size] for row, size in enumerate(sizes)]
+    features = target.features_rows(  # over each request's own cache, none copied
+        tokens, positions, [state.cache for state, _ in requests], sizes, masks
+    )
+    if features is None:
+        features = _stacked_forward(target, requests, tokens, positions, masks, prefix)
+    return features
 
 
 def _tree_mask(drafted: DraftedStep, length: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -660,7 +660,8 @@ class SpeculativeGenerator:
     def observe_verification(self, state: RequestState, seconds: float, tokens: int) -> None:
         """Fold one timed verification (body + lm_head over ``tokens`` tree tokens, what the cost
         curve times) into the request's cost scale, so tree sizing follows the current load.
-        In a batched forward, ``tokens`` counts every row's (padded) tree."""
+        In a batched forward, ``tokens`` counts every tree's rows the forward computed (padding
+        included where the trees were padded: ``VerifiedRows.forward_tokens``)."""
         if self.cost_curve is None:
             return
         measured = seconds / self.cost_curve.at(tokens)

@@ -215,11 +215,17 @@ class LeanBody:
         caches: Sequence[Cache],  # one per row, each of batch 1
         kept: Sequence[int],  # entries each row's cache keeps of the S it gets
         masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
+        lengths: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """The last hidden state # [B, S, H] of B rows that each have their own cache (a
         server's requests), in one whole-body call: no cache is copied into a batch. Row b's
         cache gets ``kept[b]`` entries (a tree padded to S keeps its own nodes). None where
-        the whole body cannot run (the caller stacks the caches into one batch instead)."""
+        the whole body cannot run (the caller stacks the caches into one batch instead).
+
+        ``lengths``: ragged rows instead, no padding: ``input_ids`` and ``position_ids`` are
+        [1, N] and hold the rows back to back, row g ``lengths[g]`` tokens with its mask
+        [1, lengths[g], cache_g + lengths[g]]; returns # [1, N, H]. A mixed-adapter batch's
+        per-row deltas have one row per segment, each added to its segment's tokens."""
         body = self.body
         if not (self.fused_glue and self.covers(input_ids, caches[0], masks[0][None])):
             return None
@@ -229,7 +235,7 @@ class LeanBody:
             return None
         cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
         rows = [(cache, 1, count) for cache, count in zip(caches, kept, strict=True)]
-        hidden = self._whole_body(
+        return self._whole_body(
             whole,
             hidden,
             cos,
@@ -237,8 +243,9 @@ class LeanBody:
             rows,
             list(masks),
             extension.requested_isa(),
+            lengths,
+            final_norm=True,
         )
-        return _fused_norm(body.norm, hidden)
 
     def _whole_body_plan(self, hidden: torch.Tensor, caches: Sequence[Cache]) -> WholeBody | None:
         """What the one-call body needs (``selfspec.fused_body``) when every part of every
@@ -264,22 +271,29 @@ class LeanBody:
         caches: list[tuple[Cache, int, int]],
         masks: list[torch.Tensor | None],  # [1, S, start + S] per row; None: causal
         isa: str,
+        lengths: Sequence[int] | None = None,
+        final_norm: bool = False,
     ) -> torch.Tensor:
         """Every decoder layer in one C++ call. ``caches``: (cache, rows, kept): the rows are
         those of the caches in order (a cache of ``rows`` rows serves the next ``rows`` rows of
         the forward); each cache layer gets S entries written in place and ``kept`` of them
         counted (S, or fewer: a tree padded to S). The same bits as the layer-by-layer loop.
-        ``readers[l]``: hooks handed the stream entering layer l, as its input norm would have
-        been; the linear layers' delta hooks (the LoRA bank's) have their deltas added in C++.
-        # [B, S, H]"""
+        ``lengths``: ragged rows (``rows_forward``), hidden # [1, N, H], cache g (of one row)
+        getting ``lengths[g]`` entries. ``readers[l]``: hooks handed the stream entering layer
+        l, as its input norm would have been; the linear layers' delta hooks (the LoRA bank's)
+        have their deltas added in C++ (a per-row delta: one row per row, or per ragged row).
+        ``final_norm``: the body's norm applied. # [B, S, H]"""
         attention = self.layers[0].self_attn
         batch, length, _ = hidden.shape
+        segments = batch if lengths is None else len(lengths)
+        deltas = whole.deltas(segments)  # a mixed-adapter batch's: one row per segment
         kv_heads = attention.k_proj.out_features // attention.head_dim
         key_rows: list[list[torch.Tensor]] = [[] for _ in self.layers]  # [layer][row]
         value_rows: list[list[torch.Tensor]] = [[] for _ in self.layers]
         starts: list[int] = []
-        for cache, rows, _ in caches:
-            like = hidden.new_empty(rows, kv_heads, length, attention.head_dim)
+        for segment, (cache, rows, _) in enumerate(caches):
+            tokens = length if lengths is None else lengths[segment]
+            like = hidden.new_empty(rows, kv_heads, tokens, attention.head_dim)
             reserved = [layer.reserve(like, like) for layer in cache.layers]
             if len({start for _, _, start in reserved}) != 1:
                 raise ValueError("a cache's layers hold different lengths")
@@ -287,11 +301,10 @@ class LeanBody:
             for index, (keys, values, _) in enumerate(reserved):
                 key_rows[index] += [keys] if rows == 1 else list(keys.split(1))
                 value_rows[index] += [values] if rows == 1 else list(values.split(1))
-        if len(starts) != batch:
-            raise ValueError(f"the caches hold {len(starts)} rows, the forward {batch}")
+        if len(starts) != segments:
+            raise ValueError(f"the caches hold {len(starts)} rows, the forward {segments}")
         readers = whole.readers
         captured = list(readers)
-        deltas = whole.deltas(batch)
         hidden, *entering = extension.load().decoder_body(
             whole.plan,
             hidden,
@@ -301,6 +314,7 @@ class LeanBody:
             [values for layer in value_rows for values in layer],
             starts,
             masks,
+            [] if lengths is None else list(lengths),
             captured,
             [None if delta is None else delta[0] for delta in deltas],
             [None if delta is None else delta[1] for delta in deltas],
@@ -314,7 +328,7 @@ class LeanBody:
             norm = self.layers[index].input_layernorm
             for hook in readers[index]:
                 hook(norm, (stream,), {})
-        return hidden
+        return _fused_norm(self.body.norm, hidden) if final_norm else hidden
 
 
 def _plain_norm(module: nn.Module) -> bool:

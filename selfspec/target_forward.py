@@ -88,6 +88,15 @@ class TargetForward:
         )
         return out.last_hidden_state
 
+    def whole_body_runs(self) -> bool:
+        """Whether ``features_rows`` would run as the model's modules and hooks stand now (the
+        kernels' whole body; not with peft's adapter layers or a foreign hook)."""
+        lean = self.lean
+        if lean is None or lean.fused_body is None or not lean.fused_glue:
+            return False
+        probe = torch.empty(1, 1, self.hidden_size, dtype=self.dtype, device=self.device)
+        return lean.fused_body.check(probe) is not None
+
     def features_rows(
         self,
         input_ids: torch.Tensor,  # [B, S]
@@ -95,12 +104,14 @@ class TargetForward:
         caches: Sequence[DynamicCache],  # one per row, each of batch 1
         kept: Sequence[int],  # entries each row's cache keeps of the S it gets
         masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
+        lengths: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Last hidden states # [B, S, H] of rows with their own caches, in one forward that
-        copies no cache (``LeanBody.rows_forward``); None where that cannot run."""
+        copies no cache (``LeanBody.rows_forward``; ``lengths``: ragged rows back to back,
+        # [1, N, H]); None where that cannot run."""
         if self.lean is None:
             return None
-        return self.lean.rows_forward(input_ids, position_ids, caches, kept, masks)
+        return self.lean.rows_forward(input_ids, position_ids, caches, kept, masks, lengths)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """# [..., H] -> [..., vocab]"""

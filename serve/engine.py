@@ -4,7 +4,8 @@ Iteration-level scheduling: each round, new requests prefill (one forward each),
 request drafts its tree (the requests on one adapter together, one heads call per depth for all of
 them: `GenerationStream.draft_together`, which first advances their draft states over the last
 round's accepted paths, also in one call); then the trees of all of them are verified in ONE target
-forward (`selfspec.batched_verify`: ragged caches and trees, padded and masked per row) under a
+forward (`selfspec.batched_verify`: ragged caches and trees, back to back where the kernels' whole
+body runs them, else padded and masked per row; each request's tree sized for that forward) under a
 mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each request
 concludes its step (verify, commit, stream). Waiting requests join between rounds and finished or
 cancelled ones leave. Requests whose adapters fell back to peft form a batch of their own (one
@@ -38,9 +39,9 @@ import torch
 
 from selfspec.adapters.errors import StoreFull
 from selfspec.adapters.store import AdapterStore, LoraBackend
-from selfspec.batched_verify import verify_features
+from selfspec.batched_verify import ragged_possible, verify_rows
 from selfspec.cost_curve import elapsed_seconds
-from selfspec.drafting.sizing import JointCandidate, joint_keep
+from selfspec.drafting.sizing import JointCandidate, joint_keep, ragged_keep
 from selfspec.generation import DraftedStep, GenerationResult, GenerationStream, StepOutput
 from selfspec.kv_commit import drop_uncommitted
 from selfspec.serve.errors import APIError, overloaded, unavailable
@@ -451,9 +452,8 @@ class Engine:
             scope = self.store.batch_scope(names) if self.store is not None else nullcontext()
             started = time.perf_counter()
             with torch.inference_mode(), scope:
-                features = verify_features(
-                    target, [(job.stream.state, step) for job, step in drafted]
-                )
+                verified = verify_rows(target, [(job.stream.state, step) for job, step in drafted])
+                features = verified.features
                 logits = target.logits(torch.cat(features)).split(sizes)  # [T_b, vocab] each
             seconds = elapsed_seconds(started, target.device)
         except Exception:
@@ -466,9 +466,10 @@ class Engine:
                     left.append(job)
             return left
         self.metrics.batch_size.observe(len(drafted))
-        padded_tokens = len(drafted) * max(sizes)  # what the forward ran, as the cost curve counts
         for (job, step), own, own_logits in zip(drafted, features, logits, strict=True):
-            job.stream.owner.observe_verification(job.stream.state, seconds, padded_tokens)
+            job.stream.owner.observe_verification(
+                job.stream.state, seconds, verified.forward_tokens
+            )
             # The draft states advance at the next round, all in one heads call.
             conclude = partial(job.stream.conclude, step, own, own_logits, defer_advance=True)
             if not self._guarded(job, conclude):
@@ -514,13 +515,17 @@ class Engine:
     def _sized_together(
         self, drafted: list[tuple[Job, DraftedStep]], left: list[Job]
     ) -> list[tuple[Job, DraftedStep]]:
-        """The round's adaptive trees cut to one node count chosen for the whole forward
-        (``joint_keep``: rows are padded to the largest tree, so that count is what the batch
-        pays for); other trees as drafted. A job whose resize fails leaves (in ``left``)."""
+        """The round's adaptive trees cut to the node counts chosen for the whole forward:
+        where the trees run back to back (``ragged_possible``), each its own count, the
+        batch's likeliest nodes (``ragged_keep``); else one count for all (``joint_keep``: rows
+        are padded to the largest tree, so that count is what the batch pays for). Other trees
+        as drafted. A job whose resize fails leaves (in ``left``)."""
         sized = [step for _, step in drafted if step.sizer is not None]
         if not sized:
             return drafted
-        fixed = max((s.tree.size for _, s in drafted if s.sizer is None), default=1)
+        unsized = [s.tree.size for _, s in drafted if s.sizer is None]
+        target = drafted[0][0].stream.owner.target
+        ragged = ragged_possible(target)
         candidates = [
             JointCandidate(
                 step.sizer,
@@ -532,11 +537,15 @@ class Engine:
         ]
         # Sampled draws stay samples only if the count never follows from their own draws.
         as_drawn = any(s.tree.sampling is DraftSampling.WITHOUT_REPLACEMENT for s in sized)
-        count = joint_keep(candidates, len(drafted), fixed, as_drawn)
+        if ragged:
+            counts = iter(ragged_keep(candidates, sum(unsized), as_drawn))
+        else:
+            count = joint_keep(candidates, len(drafted), max(unsized, default=1), as_drawn)
+            counts = iter([count] * len(candidates))
         out = []
         for job, step in drafted:
             try:
-                resized = job.stream.resize(step, count, as_drawn) if step.sizer else step
+                resized = job.stream.resize(step, next(counts), as_drawn) if step.sizer else step
                 out.append((job, resized))
             except Exception as error:
                 self._fail(job, error)

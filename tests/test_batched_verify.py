@@ -16,6 +16,7 @@ import torch
 from batched_streams import run_batched
 from tiny_models import ARCHS, make_tiny_model
 
+from selfspec import batched_verify
 from selfspec.batched_verify import verify_features
 from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
@@ -231,50 +232,62 @@ def test_deferred_advances_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_rows_over_their_own_caches_give_the_stacked_and_the_lone_bits(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On the kernels the batch runs over each request's own cache (nothing stacked, one
-    whole-body call); features and caches equal the stacked batch's and each request's forward
-    of its own bit for bit (the kernels are row-invariant)."""
+    """On the kernels the trees run back to back (ragged: no padding) over each request's own
+    cache (nothing stacked, one whole-body call); features and caches equal those of the same
+    trees padded to the largest, of the stacked batch, and of each request's forward of its
+    own, bit for bit (the kernels are row-invariant)."""
     model = make_tiny_model(arch, seed=0).eval()
     install_kernels(model, "float32")
     heads = build_heads(heads_config_for(model, "eagle")).eval()
     generator = SpeculativeGenerator(model, heads)
     configs = _configs()  # trees of different sizes, and none
 
-    def verified(own_caches: bool) -> tuple:
+    def verified(layout: str) -> tuple:
         streams = [generator.stream(p, c) for p, c in zip(PROMPTS, configs, strict=True)]
         for stream in streams:
             stream.start()
         drafted = [stream.draft() for stream in streams]
-        assert len({step.tree.size for step in drafted}) > 1  # trees padded to the largest
+        assert len({step.tree.size for step in drafted}) > 1  # padding would be needed
+        calls: list[tuple] = []
         with torch.inference_mode(), monkeypatch.context() as patch:
-            if not own_caches:
-                patch.setattr(generator.target, "features_rows", lambda *args: None)
-            rows = []
+            if layout != "ragged":
+                patch.setattr(batched_verify, "_ragged_forward", lambda *args: None)
+            if layout == "stacked":
+                patch.setattr(generator.target, "features_rows", lambda *args, **kw: None)
             original = generator.target.lean.rows_forward
-            patch.setattr(
-                generator.target.lean,
-                "rows_forward",
-                lambda *args: rows.append(original(*args)) or rows[-1],
-            )
+
+            def recorded(*args, **kwargs):
+                out = original(*args, **kwargs)
+                calls.append((args[0].shape, out is not None))
+                return out
+
+            patch.setattr(generator.target.lean, "rows_forward", recorded)
             features = verify_features(
                 generator.target, [(s.state, d) for s, d in zip(streams, drafted, strict=True)]
             )
-        assert (len(rows) == 1 and rows[0] is not None) == own_caches
+        nodes = sum(step.tree.size for step in drafted)
+        expected = {
+            "ragged": [((1, nodes), True)],
+            "padded": [((len(drafted), max(step.tree.size for step in drafted)), True)],
+            "stacked": [],
+        }[layout]
+        assert calls == expected
         caches = [
             (layer.keys.clone(), layer.values.clone())
             for stream in streams
             for layer in stream.state.cache.layers
         ]
-        return features, caches, streams, drafted
+        return features, caches, drafted
 
-    own, own_caches, _, _ = verified(own_caches=True)
-    stacked, stacked_caches, streams, drafted = verified(own_caches=False)
-    for a, b in zip(
-        own + [t for pair in own_caches for t in pair],
-        stacked + [t for pair in stacked_caches for t in pair],
-        strict=True,
-    ):
-        assert torch.equal(a, b)
+    own, own_caches, drafted = verified("ragged")
+    for layout in ("padded", "stacked"):
+        other, other_caches, _ = verified(layout)
+        for a, b in zip(
+            own + [t for pair in own_caches for t in pair],
+            other + [t for pair in other_caches for t in pair],
+            strict=True,
+        ):
+            assert torch.equal(a, b), layout
     alone = []
     with torch.inference_mode():
         for prompt, config, step in zip(PROMPTS, configs, drafted, strict=True):

@@ -12,7 +12,7 @@ from tiny_models import make_tiny_model
 
 import selfspec.cost_curve as cost_curve_module
 from selfspec.cost_curve import CostCurve, cached_cost_curve
-from selfspec.drafting.sizing import JointCandidate, TreeSizer, joint_keep
+from selfspec.drafting.sizing import JointCandidate, TreeSizer, joint_keep, ragged_keep
 from selfspec.target_forward import TargetForward
 from selfspec.tree import DynamicTree
 
@@ -158,6 +158,59 @@ def test_joint_keep_as_drawn_decides_each_count_from_the_ranks_up_to_it() -> Non
             for c in batch
         ]
         assert joint_keep(changed, batch_size=3, as_drawn=True) == kept
+
+
+def _rate(batch: list[JointCandidate], counts: list[int], rows: int) -> float:
+    """Expected committed tokens per second of a batch keeping ``counts`` nodes (free drafting,
+    no overhead) in a forward of ``rows`` rows."""
+    gain = sum(
+        1 + sum(c.sizer.accept(s) for s in c.scores[:n]) for c, n in zip(batch, counts, strict=True)
+    )
+    return gain / (batch[0].sizer.curve.at(rows))
+
+
+def test_ragged_keep_gives_sure_requests_deep_trees_and_unsure_ones_none() -> None:
+    """Trees back to back (no padding): each request keeps its own count, the batch's likeliest
+    nodes, which commits more per second than one count for all over padded rows."""
+    curve = CostCurve(sizes=(1, 8, 32), seconds=(0.010, 0.014, 0.040))
+    sure = JointCandidate(TreeSizer(curve), _log([0.95, 0.9, 0.85, 0.8, 0.7, 0.6]), 0.0)
+    unsure = JointCandidate(TreeSizer(curve), _log([0.05, 0.02, 0.01, 0.01, 0.01, 0.01]), 0.0)
+    batch = [sure, unsure, unsure]
+    counts = ragged_keep(batch)
+    assert counts[0] >= 4 and counts[1:] == [0, 0]
+    joint = joint_keep(batch, batch_size=3)
+    assert _rate(batch, counts, 3 + sum(counts)) > _rate(batch, [joint] * 3, 3 * (joint + 1))
+    # Rows of trees sized elsewhere make every node dearer, never cheaper.
+    assert sum(ragged_keep(batch, fixed_rows=40)) <= sum(counts)
+    with pytest.raises(ValueError, match="fixed_rows"):
+        ragged_keep(batch, fixed_rows=-1)
+    with pytest.raises(ValueError, match="at least one request"):
+        ragged_keep([])
+
+
+def test_ragged_keep_as_drawn_decides_each_node_from_the_nodes_before_it() -> None:
+    """The stopping rule over the batch's nodes in likelihood order: lowering any request's
+    scores past the first node dropped changes no count, and it keeps at least the best total."""
+    curve = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        lists = [
+            torch.rand(int(n), generator=generator).sort(descending=True).values.tolist()
+            for n in torch.randint(1, 9, (3,), generator=generator)
+        ]
+        batch = [
+            JointCandidate(TreeSizer(curve, drafting_seconds=0.002), _log(p), 0.002, horizon=8)
+            for p in lists
+        ]
+        counts = ragged_keep(batch, as_drawn=True)
+        assert sum(counts) >= sum(ragged_keep(batch))
+        changed = [
+            JointCandidate(
+                c.sizer, c.scores[: n + 1] + [s - 5.0 for s in c.scores[n + 1 :]], 0.002, 8
+            )
+            for c, n in zip(batch, counts, strict=True)
+        ]
+        assert ragged_keep(changed, as_drawn=True) == counts
 
 
 def test_sizer_prices_the_steps_fixed_work_into_every_tree() -> None:

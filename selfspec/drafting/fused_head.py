@@ -93,6 +93,7 @@ class FusedEagleHead:
             [own[index][1] for index in range(layers) for own in reserved],
             starts,
             masks,
+            [],  # one segment per row (padded)
             [],
             [],
             [],

@@ -195,15 +195,66 @@ def joint_keep(
     return best_count
 
 
-def _kept_as_drawn(likely: Sequence[float], seconds: Sequence[float], gain: float) -> int:
+def ragged_keep(
+    candidates: Sequence[JointCandidate], fixed_rows: int = 0, as_drawn: bool = False
+) -> list[int]:
+    """How many drafted nodes each of ``candidates`` keeps when their trees run back to back in
+    one verification forward (``batched_verify``: no padding), beside ``fixed_rows`` rows of
+    trees not sized here: the nodes likeliest to be accepted across all the requests, as many
+    as maximise the batch's expected committed tokens per second. So a request whose drafts
+    look sure keeps a deep tree while an unsure one keeps its root alone, where ``joint_keep``
+    (rows padded to the largest tree) gives all the same count.
+
+    ``as_drawn``: node by node in that order (each request's nodes up to its ``horizon``), by
+    the stopping rule of ``TreeSizer.keep_as_drawn``: whether a node is kept follows from the
+    nodes before it in the order (never its own descendants, which score no higher) and the
+    other requests' (independent draws), so sampled draws stay samples of their proposals."""
+    if not candidates:
+        raise ValueError("ragged_keep needs at least one request")
+    if fixed_rows < 0:
+        raise ValueError(f"fixed_rows must be >= 0, got {fixed_rows}")
+    accepts = [
+        [c.sizer.accept(score) for score in (c.scores[: c.horizon] if as_drawn else c.scores)]
+        for c in candidates
+    ]
+    # Likeliest first; a stable sort keeps each request's own (non-increasing) order.
+    order = sorted(
+        ((value, index) for index, values in enumerate(accepts) for value in values),
+        key=lambda pair: -pair[0],
+    )
+    scale = sum(c.sizer.cost_scale for c in candidates) / len(candidates)
+    curve = candidates[0].sizer.curve
+    fixed = sum(c.drafting_seconds + c.sizer.overhead_seconds for c in candidates)
+    roots = fixed_rows + len(candidates)
+    seconds = [fixed + scale * curve.at(roots + count) for count in range(len(order) + 1)]
+    gain = float(len(candidates))
+    if as_drawn:
+        kept = _kept_as_drawn([value for value, _ in order], seconds, gain, window=64)
+    else:
+        kept, best_rate = 0, gain / seconds[0]
+        for count, (value, _) in enumerate(order, start=1):
+            gain += value
+            if gain / seconds[count] > best_rate:
+                kept, best_rate = count, gain / seconds[count]
+    counts = [0] * len(candidates)
+    for _, index in order[:kept]:
+        counts[index] += 1
+    return counts
+
+
+def _kept_as_drawn(
+    likely: Sequence[float], seconds: Sequence[float], gain: float, window: int | None = None
+) -> int:
     """How many nodes to keep, decided node by node: node i (``likely[i - 1]``, its expected
     committed tokens; non-increasing) is kept while some count from i to ``len(seconds) - 1``
-    could still beat the best rate so far if every later node were as likely as it.
-    ``seconds[c]``: the step's seconds with c nodes; ``gain``: its tokens with none."""
+    (at most ``window`` counts ahead) could still beat the best rate so far if every later node
+    were as likely as it. ``seconds[c]``: the step's seconds with c nodes; ``gain``: its tokens
+    with none."""
     horizon = len(seconds) - 1
     kept, best_rate = 0, gain / seconds[0]
     for i, value in enumerate(likely[:horizon], start=1):
-        reachable = max((gain + value * (c - i + 1)) / seconds[c] for c in range(i, horizon + 1))
+        last = horizon if window is None else min(horizon, i + window - 1)
+        reachable = max((gain + value * (c - i + 1)) / seconds[c] for c in range(i, last + 1))
         if reachable <= best_rate:
             break
         gain, kept = gain + value, i

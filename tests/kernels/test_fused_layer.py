@@ -224,6 +224,135 @@ def test_a_rows_delta_for_another_batch_is_refused() -> None:
         _run(body, fused=True, growing=True)
 
 
+def _ragged_inputs(body: LeanBody, sizes: tuple[int, ...], prompt_lengths: tuple[int, ...]):
+    """Requests with their own growing caches, each prefilled alone (prompts of
+    ``prompt_lengths``), and a chain-and-fork tree of ``sizes[g]`` nodes for each: (caches,
+    trees [S_g], positions [S_g], masks [1, S_g, P_g + S_g])."""
+    generator = torch.Generator().manual_seed(1)
+    caches, trees, positions, masks = [], [], [], []
+    for size, length in zip(sizes, prompt_lengths, strict=True):
+        cache = growing_cache(body.config)
+        with torch.inference_mode():
+            body(
+                torch.randint(3, 101, (1, length), generator=generator),
+                torch.arange(length)[None],
+                cache,
+            )
+        parents = [-1] + [max(0, node - 2) for node in range(1, size)]
+        depths = [0] * size
+        for node in range(1, size):
+            depths[node] = depths[parents[node]] + 1
+        caches.append(cache)
+        trees.append(torch.randint(3, 101, (size,), generator=generator))
+        positions.append(length + torch.tensor(depths))
+        masks.append(_tree_mask(length, parents)[0])
+    return caches, trees, positions, masks
+
+
+@pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4", "float32:int24"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_rows_give_each_requests_own_bits(arch: str, mode: str) -> None:
+    """Trees of different sizes back to back in one whole-body call (no padding), each over its
+    own cache: every request's states and cache entries are those of its forward of its own."""
+    model = _model(arch, mode)
+    body = LeanBody(model.model)
+    sizes, prompts = (3, 6, 1), (7, 4, 9)
+    caches, trees, positions, masks = _ragged_inputs(body, sizes, prompts)
+    dtype = next(model.parameters()).dtype
+    with torch.inference_mode():
+        ragged = body.rows_forward(
+            torch.cat(trees)[None],
+            torch.cat(positions)[None],
+            caches,
+            list(sizes),
+            [mask.to(dtype) for mask in masks],
+            lengths=list(sizes),
+        )
+    assert ragged is not None and ragged.shape[:2] == (1, sum(sizes))
+    alone_caches, _, _, _ = _ragged_inputs(body, sizes, prompts)
+    offset = 0
+    for g, size in enumerate(sizes):
+        with torch.inference_mode():
+            alone = body(
+                trees[g][None], positions[g][None], alone_caches[g], masks[g][None].to(dtype)
+            )
+        assert torch.equal(ragged[0, offset : offset + size], alone[0])
+        for got, want in zip(caches[g].layers, alone_caches[g].layers, strict=True):
+            assert got.get_seq_length() == prompts[g] + size
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        offset += size
+
+
+@pytest.mark.parametrize("mode", ["float32", "int4", "bfloat16"])
+def test_ragged_rows_on_different_adapters_give_each_requests_own_bits(mode: str) -> None:
+    """A mixed-adapter batch back to back: each request's tokens get its own adapter's delta
+    (one row of the per-row delta per request), its states and cache entries those of its
+    forward of its own under that adapter, bit for bit."""
+    model = _model("llama", mode)
+    bank = _bank(model, ("a", "b"))
+    body = LeanBody(model.model)
+    adapters, sizes, prompts = ["a", None, "b"], (2, 4, 3), (5, 6, 4)
+    dtype = next(model.parameters()).dtype
+
+    def prefilled():  # each request's prompt under its own adapter
+        built = []
+        for g, name in enumerate(adapters):
+            bank.select(name)
+            built.append([part[g] for part in _ragged_inputs(body, sizes, prompts)])
+        return [list(part) for part in zip(*built, strict=True)]
+
+    caches, trees, positions, masks = prefilled()
+    bank.select_rows(adapters)
+    with torch.inference_mode():
+        ragged = body.rows_forward(
+            torch.cat(trees)[None],
+            torch.cat(positions)[None],
+            caches,
+            list(sizes),
+            [mask.to(dtype) for mask in masks],
+            lengths=list(sizes),
+        )
+    assert ragged is not None
+    alone_caches, _, _, _ = prefilled()
+    offset = 0
+    for g, (name, size) in enumerate(zip(adapters, sizes, strict=True)):
+        bank.select(name)
+        with torch.inference_mode():
+            alone = body(
+                trees[g][None], positions[g][None], alone_caches[g], masks[g][None].to(dtype)
+            )
+        assert torch.equal(ragged[0, offset : offset + size], alone[0]), name
+        for got, want in zip(caches[g].layers, alone_caches[g].layers, strict=True):
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        offset += size
+    bank.select_rows(["a", "b"])  # 2 rows selected; the forward has 3 segments
+    with torch.inference_mode(), pytest.raises(ValueError, match="mixed-adapter batch of 2 rows"):
+        body.rows_forward(
+            torch.cat(trees)[None],
+            torch.cat(positions)[None],
+            alone_caches,
+            list(sizes),
+            [mask.to(dtype) for mask in masks],
+            lengths=list(sizes),
+        )
+
+
+def test_ragged_lengths_that_do_not_cover_the_tokens_are_refused() -> None:
+    model = _model("llama")
+    body = LeanBody(model.model)
+    caches, trees, positions, masks = _ragged_inputs(body, (2, 3), (4, 4))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="sum to 4, hidden has 5"):
+        body.rows_forward(
+            torch.cat(trees)[None],
+            torch.cat(positions)[None],
+            caches,
+            [2, 3],
+            masks,
+            lengths=[2, 2],
+        )
+    assert [cache.get_seq_length() for cache in caches] == [4, 4]  # nothing counted
+
+
 def test_each_part_equals_its_modules() -> None:
     model = _model("llama")
     layer = model.model.layers[0]

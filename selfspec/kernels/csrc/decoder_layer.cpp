@@ -100,9 +100,13 @@ DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Te
 // Low-rank deltas added to a layer's linear outputs (selfspec/linear_deltas.py), one slot per
 // linear in plan order (q, k, v, o, gate, up, down); an undefined `a`: nothing to add. `a` 2-D
 // [in, r], `b` [r, out]: every row adds x a b; `a` 3-D [B, in, r], `b` [B, r, out]: row i adds
-// x[i] a[i] b[i]. The same ATen ops as the hooks that describe them, so the same bits.
+// x[i] a[i] b[i]. The same ATen ops as the hooks that describe them, so the same bits. With
+// `segments` (a ragged body: hidden [1, S, H] holding G segments back to back, segment g the
+// tokens [offset, offset + length) of each pair), a 3-D delta has one row per segment, and the
+// segment's tokens add x a[g] b[g] with the 2-D ops of a forward of its own.
 struct LayerDeltas {
   torch::Tensor a[7], b[7];
+  const std::vector<std::pair<int64_t, int64_t>>* segments = nullptr;
 };
 const LayerDeltas kNoDeltas{};
 
@@ -113,6 +117,16 @@ torch::Tensor plus_delta(torch::Tensor out, const torch::Tensor& x, const Kernel
   if (!a.defined()) return out;
   if (a.dim() == 2) {
     out.view({-1, w.N}).addmm_(at::mm(x.reshape({-1, w.K}), a), b);
+  } else if (d.segments != nullptr) {
+    const auto& segments = *d.segments;
+    TORCH_CHECK(a.size(0) == static_cast<int64_t>(segments.size()), "a per-segment delta of ",
+                a.size(0), " rows met ", segments.size(), " segments");
+    const torch::Tensor rows = x.reshape({-1, w.K}), outs = out.view({-1, w.N});
+    for (size_t g = 0; g < segments.size(); ++g) {
+      const auto [offset, length] = segments[g];
+      outs.narrow(0, offset, length)
+          .addmm_(at::mm(rows.narrow(0, offset, length), a[g]), b[g]);
+    }
   } else {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == a.size(0), "a per-row delta of ", a.size(0),
                 " rows met input of shape ", x.sizes());
@@ -232,16 +246,20 @@ BodyPlan make_body_plan(std::vector<DecoderLayerPlan> layers) {
   return BodyPlan{std::move(layers)};
 }
 
-// Every layer of a body in one call, for B rows that each have their own KV cache: hidden
-// [B, S, H] -> {the last layer's output [B, S, H] (before the final norm), then the stream
-// entering each layer listed in `capture` [B, S, H], in that order} (EAGLE-3's taps read those;
-// nothing is copied for them). Row b's cache in layer l is key_buffers[l * B + b] /
-// value_buffers[l * B + b] [1, kv_heads, capacity, D] (a row of a batched buffer, or a request's
-// own): the layer writes the row's S new keys and values at [starts[b], starts[b] + S) and the
-// row attends over [0, starts[b] + S) of them, read in place, under masks[b] [1, S, starts[b] +
-// S] (additive; none: causal). Linear layers run on all rows at once, attention row by row
-// (it is row-invariant: the same bits as over a batched cache). The same kernels and ops in the
-// same order as the three calls per layer with the cache update between them: the same bits.
+// Every layer of a body in one call, for G segments of tokens that each have their own KV
+// cache: hidden [B, S, H] -> {the last layer's output [B, S, H] (before the final norm), then the
+// stream entering each layer listed in `capture` [B, S, H], in that order} (EAGLE-3's taps read
+// those; nothing is copied for them). Without `lengths` each of the B rows is a segment of S
+// tokens (G = B, a batch padded to its longest member); with them hidden is [1, S, H] and holds
+// G = lengths.size() segments back to back, segment g lengths[g] tokens (ragged: no padding).
+// Segment g's cache in layer l is key_buffers[l * G + g] / value_buffers[l * G + g] [1,
+// kv_heads, capacity, D] (a row of a batched buffer, or a request's own): the layer writes the
+// segment's n = its length new keys and values at [starts[g], starts[g] + n) and the segment
+// attends over [0, starts[g] + n) of them, read in place, under masks[g] [1, n, starts[g] + n]
+// (additive; none: causal). Linear layers run on all tokens at once, attention segment by
+// segment (both are row-invariant: the same bits as each segment's forward of its own). The
+// same kernels and ops in the same order as the three calls per layer with the cache update
+// between them: the same bits. Per-row deltas (3-D) have one row per segment.
 // `attention_input` [B, S, K]: the first layer's attention input when its plan has no input norm
 // (EAGLE-3's head: q/k/v read the normalised embedding and feature side by side, while `hidden`,
 // the feature, is the residual stream); none otherwise.
@@ -251,6 +269,7 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                                         const std::vector<torch::Tensor>& value_buffers,
                                         const std::vector<int64_t>& starts,
                                         const std::vector<c10::optional<torch::Tensor>>& masks,
+                                        const std::vector<int64_t>& lengths,
                                         const std::vector<int64_t>& capture,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_a,
                                         const std::vector<c10::optional<torch::Tensor>>& delta_b,
@@ -259,11 +278,24 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
   const size_t L = body.layers.size();
   TORCH_CHECK(hidden.dim() == 3, "hidden must be [B, S, H]");
   const int64_t B = hidden.size(0), S = hidden.size(1);
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B && static_cast<int64_t>(masks.size()) == B,
-              "one start and one mask per row: ", B, " rows, ", starts.size(), " starts, ",
-              masks.size(), " masks");
-  TORCH_CHECK(key_buffers.size() == L * B && value_buffers.size() == L * B, "one key and one "
-              "value buffer per layer and row: ", L, " x ", B, ", got ", key_buffers.size(),
+  const bool ragged = !lengths.empty();
+  TORCH_CHECK(!ragged || B == 1, "ragged segments come as hidden [1, S, H], got ", hidden.sizes());
+  const int64_t G = ragged ? static_cast<int64_t>(lengths.size()) : B;
+  std::vector<int64_t> offsets(G), sizes(G);  // segment g: tokens [offsets[g], + sizes[g])
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    sizes[g] = ragged ? lengths[g] : S;
+    TORCH_CHECK(sizes[g] >= 1, "segment ", g, " has ", sizes[g], " tokens");
+    offsets[g] = ragged ? total : 0;
+    total += sizes[g];
+  }
+  TORCH_CHECK(!ragged || total == S, "the segments' lengths sum to ", total, ", hidden has ", S,
+              " tokens");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == G && static_cast<int64_t>(masks.size()) == G,
+              "one start and one mask per segment: ", G, " segments, ", starts.size(),
+              " starts, ", masks.size(), " masks");
+  TORCH_CHECK(key_buffers.size() == L * G && value_buffers.size() == L * G, "one key and one "
+              "value buffer per layer and segment: ", L, " x ", G, ", got ", key_buffers.size(),
               " and ", value_buffers.size());
   for (const int64_t l : capture) {
     TORCH_CHECK(l >= 0 && l < static_cast<int64_t>(L), "capture: layer ", l, " of ", L);
@@ -272,17 +304,24 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
                   (delta_a.size() == 7 * L && delta_b.size() == 7 * L),
               "deltas: none, or 7 per layer (", 7 * L, "), got ", delta_a.size(), " and ",
               delta_b.size());
-  std::vector<c10::optional<torch::Tensor>> row_masks(B);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(starts[b] >= 0, "row ", b, ": negative start");
-    if (!masks[b].has_value()) continue;
-    const torch::Tensor& mask = *masks[b];
-    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == 1 && mask.size(1) == S &&
-                    mask.size(2) == starts[b] + S,
-                "row ", b, "'s mask must be [1, ", S, ", ", starts[b] + S, "], got ", mask.sizes());
-    row_masks[b] = mask.to(torch::kFloat32).contiguous();
+  std::vector<c10::optional<torch::Tensor>> segment_masks(G);
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(starts[g] >= 0, "segment ", g, ": negative start");
+    if (!masks[g].has_value()) continue;
+    const torch::Tensor& mask = *masks[g];
+    const int64_t n = sizes[g];
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == 1 && mask.size(1) == n &&
+                    mask.size(2) == starts[g] + n,
+                "segment ", g, "'s mask must be [1, ", n, ", ", starts[g] + n, "], got ",
+                mask.sizes());
+    segment_masks[g] = mask.to(torch::kFloat32).contiguous();
   }
   LayerDeltas deltas;
+  std::vector<std::pair<int64_t, int64_t>> segments;  // (offset, length) of each, ragged only
+  if (ragged) {
+    for (int64_t g = 0; g < G; ++g) segments.emplace_back(offsets[g], sizes[g]);
+    deltas.segments = &segments;
+  }
   std::vector<torch::Tensor> out(1 + capture.size());
   for (size_t l = 0; l < L; ++l) {
     const DecoderLayerPlan& p = body.layers[l];
@@ -299,22 +338,25 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
         l == 0 && attention_input.has_value() ? *attention_input : torch::Tensor();
     std::vector<torch::Tensor> qkv =
         attention_inputs(p, hidden, cos, signed_sin, isa, deltas, given);
-    std::vector<torch::Tensor> attended(B);
-    for (int64_t b = 0; b < B; ++b) {
-      const torch::Tensor &keys = key_buffers[l * B + b], &values = value_buffers[l * B + b];
-      const int64_t start = starts[b], end = start + S;
+    std::vector<torch::Tensor> attended(G);
+    for (int64_t g = 0; g < G; ++g) {
+      const torch::Tensor &keys = key_buffers[l * G + g], &values = value_buffers[l * G + g];
+      const int64_t row = ragged ? 0 : g, offset = offsets[g], n = sizes[g];
+      const int64_t start = starts[g], end = start + n;
       TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == p.kv_heads &&
                       keys.size(3) == p.head_dim && keys.size(2) >= end &&
                       values.sizes() == keys.sizes() && values.strides() == keys.strides() &&
                       keys.scalar_type() == values.scalar_type(),
-                  "layer ", l, ", row ", b, ": cache buffers must be [1, kv_heads, >= ", end,
+                  "layer ", l, ", segment ", g, ": cache buffers must be [1, kv_heads, >= ", end,
                   ", head_dim], alike");
-      keys.narrow(2, start, S).copy_(qkv[1].narrow(0, b, 1));
-      values.narrow(2, start, S).copy_(qkv[2].narrow(0, b, 1));
-      attended[b] = attend(p, qkv[0].narrow(0, b, 1), keys.narrow(2, 0, end),
-                           values.narrow(2, 0, end), row_masks[b], isa);
+      // query [B, S, heads, D]; key, value [B, kv_heads, S, D]
+      keys.narrow(2, start, n).copy_(qkv[1].narrow(0, row, 1).narrow(2, offset, n));
+      values.narrow(2, start, n).copy_(qkv[2].narrow(0, row, 1).narrow(2, offset, n));
+      attended[g] = attend(p, qkv[0].narrow(0, row, 1).narrow(1, offset, n),
+                           keys.narrow(2, 0, end), values.narrow(2, 0, end), segment_masks[g], isa);
     }
-    hidden = output_projection(p, hidden, B == 1 ? attended[0] : at::cat(attended), isa, deltas);
+    hidden = output_projection(p, hidden, G == 1 ? attended[0] : at::cat(attended, ragged ? 1 : 0),
+                               isa, deltas);
     hidden = mlp_block(p, hidden, isa, deltas);
   }
   out[0] = hidden;
