@@ -110,15 +110,15 @@ def _ragged_forward(
         ]
     sizes = [drafted.tree.size for _, drafted in requests]
     return target.features_rows(
-        tokens, positions, [state.cache for state, _ in requests], sizes, masks, lengths=sizes
+        tokens, positions, [state.cache for state, _ in requests], sizes, masks
     )
 
 
 def _padded_forward(
     target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
 ) -> torch.Tensor:
-    """The trees as a batch padded to the largest, over each request's own cache where the
-    whole body runs, else over the caches stacked into one batch # [B, T, H]."""
+    """The trees as a batch padded to the largest, over the caches stacked into one batch
+    (where the whole body cannot run, so the trees cannot run back to back) # [B, T, H]."""
     sizes = [drafted.tree.size for _, drafted in requests]
     lengths = [state.committed_len for state, _ in requests]
     batch, prefix, width = len(requests), max(lengths), max(sizes)
@@ -136,12 +136,7 @@ def _padded_forward(
             _tree_mask(drafted, length, width, target.dtype)
             for (_, drafted), length in zip(requests, lengths, strict=True)
         ]
-    features = target.features_rows(  # over each request's own cache, none copied
-        tokens, positions, [state.cache for state, _ in requests], sizes, masks
-    )
-    if features is None:
-        features = _stacked_forward(target, requests, tokens, positions, masks, prefix)
-    return features
+    return _stacked_forward(target, requests, tokens, positions, masks, prefix)
 
 
 def _tree_mask(drafted: DraftedStep, length: int, width: int, dtype: torch.dtype) -> torch.Tensor:

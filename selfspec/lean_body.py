@@ -210,31 +210,27 @@ class LeanBody:
 
     def rows_forward(
         self,
-        input_ids: torch.Tensor,  # [B, S]
-        position_ids: torch.Tensor,  # [B, S]
+        input_ids: torch.Tensor,  # [1, N]
+        position_ids: torch.Tensor,  # [1, N]
         caches: Sequence[Cache],  # one per row, each of batch 1
-        kept: Sequence[int],  # entries each row's cache keeps of the S it gets
-        masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
-        lengths: Sequence[int] | None = None,
+        lengths: Sequence[int],  # tokens of each row, back to back: sum N
+        masks: Sequence[torch.Tensor],  # [1, lengths[g], cache_g + lengths[g]] additive, per row
     ) -> torch.Tensor | None:
-        """The last hidden state # [B, S, H] of B rows that each have their own cache (a
-        server's requests), in one whole-body call: no cache is copied into a batch. Row b's
-        cache gets ``kept[b]`` entries (a tree padded to S keeps its own nodes). None where
-        the whole body cannot run (the caller stacks the caches into one batch instead).
-
-        ``lengths``: ragged rows instead, no padding: ``input_ids`` and ``position_ids`` are
-        [1, N] and hold the rows back to back, row g ``lengths[g]`` tokens with its mask
-        [1, lengths[g], cache_g + lengths[g]]; returns # [1, N, H]. A mixed-adapter batch's
-        per-row deltas have one row per segment, each added to its segment's tokens."""
+        """The last hidden state # [1, N, H] of rows that each have their own cache (a server's
+        requests) and hold ``lengths`` tokens, back to back (no padding), in one whole-body
+        call: no cache is copied into a batch, and row g's cache gets its ``lengths[g]``
+        entries. A mixed-adapter batch's per-row deltas have one row per request, each added to
+        its own tokens. None where the whole body cannot run (the caller stacks the caches into
+        one padded batch instead)."""
         body = self.body
         if not (self.fused_glue and self.covers(input_ids, caches[0], masks[0][None])):
             return None
-        hidden = body.embed_tokens(input_ids)  # [B, S, H]
+        hidden = body.embed_tokens(input_ids)  # [1, N, H]
         whole = self._whole_body_plan(hidden, caches) if hidden.dtype in FUSED_DTYPES else None
         if whole is None:
             return None
-        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [B, S, D] each
-        rows = [(cache, 1, count) for cache, count in zip(caches, kept, strict=True)]
+        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)  # [1, N, D] each
+        rows = [(cache, 1, length) for cache, length in zip(caches, lengths, strict=True)]
         return self._whole_body(
             whole,
             hidden,

@@ -99,19 +99,17 @@ class TargetForward:
 
     def features_rows(
         self,
-        input_ids: torch.Tensor,  # [B, S]
-        position_ids: torch.Tensor,  # [B, S]
+        input_ids: torch.Tensor,  # [1, N]
+        position_ids: torch.Tensor,  # [1, N]
         caches: Sequence[DynamicCache],  # one per row, each of batch 1
-        kept: Sequence[int],  # entries each row's cache keeps of the S it gets
-        masks: Sequence[torch.Tensor],  # [1, S, cache_b + S] additive, per row
-        lengths: Sequence[int] | None = None,
+        lengths: Sequence[int],  # tokens of each row, back to back: sum N
+        masks: Sequence[torch.Tensor],  # [1, lengths[g], cache_g + lengths[g]] additive
     ) -> torch.Tensor | None:
-        """Last hidden states # [B, S, H] of rows with their own caches, in one forward that
-        copies no cache (``LeanBody.rows_forward``; ``lengths``: ragged rows back to back,
-        # [1, N, H]); None where that cannot run."""
+        """Last hidden states # [1, N, H] of rows with their own caches, back to back, in one
+        forward that copies no cache (``LeanBody.rows_forward``); None where that cannot run."""
         if self.lean is None:
             return None
-        return self.lean.rows_forward(input_ids, position_ids, caches, kept, masks, lengths)
+        return self.lean.rows_forward(input_ids, position_ids, caches, lengths, masks)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """# [..., H] -> [..., vocab]"""

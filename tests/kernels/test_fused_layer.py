@@ -266,7 +266,6 @@ def test_ragged_rows_give_each_requests_own_bits(arch: str, mode: str) -> None:
             caches,
             list(sizes),
             [mask.to(dtype) for mask in masks],
-            lengths=list(sizes),
         )
     assert ragged is not None and ragged.shape[:2] == (1, sum(sizes))
     alone_caches, _, _, _ = _ragged_inputs(body, sizes, prompts)
@@ -310,7 +309,6 @@ def test_ragged_rows_on_different_adapters_give_each_requests_own_bits(mode: str
             caches,
             list(sizes),
             [mask.to(dtype) for mask in masks],
-            lengths=list(sizes),
         )
     assert ragged is not None
     alone_caches, _, _, _ = prefilled()
@@ -333,7 +331,6 @@ def test_ragged_rows_on_different_adapters_give_each_requests_own_bits(mode: str
             alone_caches,
             list(sizes),
             [mask.to(dtype) for mask in masks],
-            lengths=list(sizes),
         )
 
 
@@ -346,9 +343,8 @@ def test_ragged_lengths_that_do_not_cover_the_tokens_are_refused() -> None:
             torch.cat(trees)[None],
             torch.cat(positions)[None],
             caches,
-            [2, 3],
+            [2, 2],
             masks,
-            lengths=[2, 2],
         )
     assert [cache.get_seq_length() for cache in caches] == [4, 4]  # nothing counted
 
