@@ -26,7 +26,9 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from selfspec.generation import DraftedStep, RequestState
+from selfspec.drafting.taps import LayerTaps
+from selfspec.generation import DraftedStep, RequestState, after_prefix_mask
+from selfspec.prefill import PrefillChunk, PrefillProgress, run_prefill_chunk
 from selfspec.target_forward import TargetForward
 
 
@@ -34,9 +36,23 @@ from selfspec.target_forward import TargetForward
 class VerifiedRows:
     features: list[torch.Tensor]
     """Each request's tree features # [T_b, H]."""
+    prefills: list[tuple[torch.Tensor, torch.Tensor | None]]
+    """Each prefill chunk's last hidden states # [n, H] and, with taps, its tapped layer
+    states # [n, k * H]: for ``GenerationStream.absorb_prefill``."""
     forward_tokens: int
-    """The rows the forward computed: the trees' nodes (back to back), or the batch times the
-    largest tree (padded); what a cost curve prices."""
+    """The rows the forward computed: the trees' nodes and the chunks' tokens back to back, or
+    the batch times the largest tree (padded) plus the chunks; what a cost curve prices."""
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Tokens that run over one cache: a request's tree or a prefill's chunk."""
+
+    cache: DynamicCache
+    tokens: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    mask: torch.Tensor  # [1, n, cache + n] additive
+    taps: LayerTaps | None
 
 
 def verify_features(
@@ -54,17 +70,19 @@ def ragged_possible(target: TargetForward) -> bool:
 
 
 def verify_rows(
-    target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
+    target: TargetForward,
+    requests: Sequence[tuple[RequestState, DraftedStep]],
+    prefills: Sequence[tuple[PrefillProgress, PrefillChunk]] = (),
 ) -> VerifiedRows:
-    """Run the trees of ``requests`` through the target in one forward.
+    """Run the trees of ``requests``, and the chunks of ``prefills``, through the target in one
+    forward.
 
     Each request's cache has its tree's KV entries appended (as ``TargetForward.features``
     does for one request), and a request whose heads read tapped layers (EAGLE-3) gets their
-    states in ``state.draft_features``. The trees run back to back with no padding where the
-    kernels' whole body can take them so (``ragged_possible``); else padded to the largest."""
-    if not requests:
-        return VerifiedRows([], 0)
-    sizes = [drafted.tree.size for _, drafted in requests]
+    states in ``state.draft_features``; each prefill's cache gets its chunk's entries. Trees
+    and chunks run back to back with no padding where the kernels' whole body can take them so
+    (``ragged_possible``); else the trees are padded to the largest and each chunk runs in a
+    forward of its own."""
     for state, _ in requests:
         cached = state.cache.get_seq_length()
         if cached != state.committed_len:
@@ -72,46 +90,94 @@ def verify_rows(
                 f"a request's cache holds {cached} entries but {state.committed_len} are "
                 "committed: its previous step was not concluded"
             )
-    taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
+    segments = [
+        _Segment(
+            state.cache,
+            drafted.tree.tokens,
+            drafted.buffers.position_ids[0],
+            drafted.buffers.attention_mask[0],
+            state.taps,
+        )
+        for state, drafted in requests
+    ] + [
+        _Segment(
+            progress.cache, chunk.tokens, chunk.positions, _chunk_mask(target, chunk), progress.taps
+        )
+        for progress, chunk in prefills
+    ]
+    if not segments:
+        return VerifiedRows([], [], 0)
+    sizes = [int(segment.tokens.shape[0]) for segment in segments]
+    taps = {id(s.taps): s.taps for s in segments if s.taps is not None}
     with contextlib.ExitStack() as stack:
         records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
         with record_function("selfspec.verify_forward"):
-            features = _ragged_forward(target, requests)  # [1, N, H]
-            ragged = features is not None
-            if not ragged:
-                features = _padded_forward(target, requests)  # [B, T, H]
-    tapped = {key: _split(record.stacked(), sizes, ragged) for key, record in records.items()}
+            features = _ragged_forward(target, segments)  # [1, N, H]
+    if features is not None:
+        split = {key: record.stacked()[0].split(sizes) for key, record in records.items()}
+        rows = list(features[0].split(sizes))
+        tapped = [None if s.taps is None else split[id(s.taps)][i] for i, s in enumerate(segments)]
+        computed = sum(sizes)
+    else:
+        rows, tapped, computed = _apart(target, requests, prefills)
     for row, (state, _) in enumerate(requests):
         if state.taps is not None:
-            state.draft_features = tapped[id(state.taps)][row]  # [T_b, k * H]
-    computed = sum(sizes) if ragged else len(sizes) * max(sizes)
-    return VerifiedRows(_split(features, sizes, ragged), computed)
+            state.draft_features = tapped[row]  # [T_b, k * H]
+    count = len(requests)
+    return VerifiedRows(
+        rows[:count], list(zip(rows[count:], tapped[count:], strict=True)), computed
+    )
 
 
-def _split(rows: torch.Tensor, sizes: Sequence[int], ragged: bool) -> list[torch.Tensor]:
-    """Each request's rows # [T_b, ...] of a ragged [1, N, ...] or padded [B, T, ...] forward."""
-    if ragged:
-        return list(rows[0].split(list(sizes)))
-    return [rows[row, :size] for row, size in enumerate(sizes)]
+def _chunk_mask(target: TargetForward, chunk: PrefillChunk) -> torch.Tensor:
+    """A prefill chunk's mask as a segment takes it # [1, n, end] additive."""
+    start = chunk.end - int(chunk.tokens.shape[0])
+    mask = chunk.mask if chunk.mask is not None else after_prefix_mask(start, chunk.end, target)
+    return mask[0]
 
 
-def _ragged_forward(
-    target: TargetForward, requests: Sequence[tuple[RequestState, DraftedStep]]
-) -> torch.Tensor | None:
-    """The trees back to back in one whole-body forward over each request's own cache, none
+def _ragged_forward(target: TargetForward, segments: Sequence[_Segment]) -> torch.Tensor | None:
+    """The segments back to back in one whole-body forward, each over its own cache, none
     padded # [1, N, H]; None where that cannot run (nothing is written then)."""
     with record_function("selfspec.batch_buffers"):
-        tokens = torch.cat([drafted.tree.tokens for _, drafted in requests])[None]  # [1, N]
-        positions = torch.cat(  # [1, N]
-            [drafted.buffers.position_ids[0] for _, drafted in requests]
-        )[None]
-        masks = [  # [1, T_b, L_b + T_b] each
-            drafted.buffers.attention_mask[0].to(target.dtype) for _, drafted in requests
+        tokens = torch.cat([s.tokens for s in segments])[None]  # [1, N]
+        positions = torch.cat([s.positions for s in segments])[None]  # [1, N]
+        masks = [s.mask.to(target.dtype) for s in segments]  # [1, n_g, L_g + n_g] each
+    sizes = [int(s.tokens.shape[0]) for s in segments]
+    return target.features_rows(tokens, positions, [s.cache for s in segments], sizes, masks)
+
+
+def _apart(
+    target: TargetForward,
+    requests: Sequence[tuple[RequestState, DraftedStep]],
+    prefills: Sequence[tuple[PrefillProgress, PrefillChunk]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
+    """Where the segments cannot run back to back: the trees in one padded forward, each chunk
+    in a forward of its own. Each segment's features # [n, H] and tapped states # [n, k * H]
+    (or None), and the rows computed."""
+    rows: list[torch.Tensor] = []
+    tapped: list[torch.Tensor | None] = []
+    computed = 0
+    if requests:
+        sizes = [drafted.tree.size for _, drafted in requests]
+        taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
+        with contextlib.ExitStack() as stack:
+            records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
+            with record_function("selfspec.verify_forward"):
+                features = _padded_forward(target, requests)  # [B, T, H]
+        states = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H]
+        rows += [features[row, :size] for row, size in enumerate(sizes)]
+        tapped += [
+            None if state.taps is None else states[id(state.taps)][row, :size]
+            for row, ((state, _), size) in enumerate(zip(requests, sizes, strict=True))
         ]
-    sizes = [drafted.tree.size for _, drafted in requests]
-    return target.features_rows(
-        tokens, positions, [state.cache for state, _ in requests], sizes, masks
-    )
+        computed += len(sizes) * max(sizes)
+    for progress, chunk in prefills:
+        features, states = run_prefill_chunk(target, progress, chunk)
+        rows.append(features)
+        tapped.append(states)
+        computed += int(chunk.tokens.shape[0])
+    return rows, tapped, computed
 
 
 def _padded_forward(

@@ -30,7 +30,7 @@ from selfspec.growing_cache import is_full_attention
 from selfspec.heads.medusa import MedusaHeads
 from selfspec.kv_commit import commit_accepted
 from selfspec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
-from selfspec.prefill import PrefillProgress
+from selfspec.prefill import PrefillChunk, PrefillProgress, run_prefill_chunk
 from selfspec.prefix_cache import CachedPrefix, PrefixCache
 from selfspec.sampling import SamplingParams, greedy_tokens, sample_from, warp_probs
 from selfspec.speculation_gate import SpeculationGate
@@ -397,22 +397,46 @@ class SpeculativeGenerator:
         self, progress: PrefillProgress, config: GenerationConfig, max_tokens: int | None
     ) -> RequestState | None:
         """Run up to ``max_tokens`` more prompt tokens (None: the rest; the rest anyway where
-        chunks would not be exact, see ``prefill_chunks_exact``). Returns the request's state
-        once the prompt is done (its first token chosen), else None."""
+        chunks would not be exact, see ``prefill_chunks_exact``) in a forward of their own.
+        Returns the request's state once the prompt is done (its first token chosen), else
+        None."""
+        chunk = self.next_prefill_chunk(progress, max_tokens)
+        features, tapped = run_prefill_chunk(self.target, progress, chunk)
+        return self.absorb_prefill_chunk(progress, config, chunk, features, tapped)
+
+    def next_prefill_chunk(self, progress: PrefillProgress, max_tokens: int | None) -> PrefillChunk:
+        """The prompt tokens the next chunk runs: up to ``max_tokens`` more (None: the rest;
+        the rest anyway where chunks would not be exact, see ``prefill_chunks_exact``)."""
         prompt, start = progress.prompt, progress.done
         length = int(prompt.shape[0])
         end = length
         if max_tokens is not None and self.prefill_chunks_exact:
             end = min(length, start + max(1, max_tokens))
-        positions = torch.arange(start, end, device=self.target.device)[None]
-        mask = None if start == 0 else _after_prefix_mask(start, end, self.target)
-        with record_function("selfspec.prefill"), maybe_capture(progress.taps) as tapped:
-            chunk = self.target.features(prompt[None, start:end], positions, progress.cache, mask)
-        progress.features.append(chunk[0])  # [n, H]
+        return PrefillChunk(
+            tokens=prompt[start:end],
+            positions=torch.arange(start, end, device=self.target.device),
+            mask=None if start == 0 else after_prefix_mask(start, end, self.target),
+            end=end,
+        )
+
+    def absorb_prefill_chunk(
+        self,
+        progress: PrefillProgress,
+        config: GenerationConfig,
+        chunk: PrefillChunk,
+        features: torch.Tensor,  # [n, H]
+        tapped: torch.Tensor | None,  # [n, k * H]
+    ) -> RequestState | None:
+        """Take a chunk's forward (its own, or a server round's shared one) into the prefill.
+        Returns the request's state once the prompt is done (its first token chosen), else
+        None."""
+        progress.features.append(features)
         if tapped is not None:
-            progress.tapped.append(tapped.stacked()[0])  # [n, k * H]
-        progress.done = end
-        return self._finish_prefill(progress, config) if end == length else None
+            progress.tapped.append(tapped)
+        progress.done = chunk.end
+        if chunk.end != int(progress.prompt.shape[0]):
+            return None
+        return self._finish_prefill(progress, config)
 
     def _finish_prefill(self, progress: PrefillProgress, config: GenerationConfig) -> RequestState:
         """The whole prompt is in the cache: choose the first token, store the prefix, keep what
@@ -825,8 +849,28 @@ class GenerationStream:
 
     def prefill(self, max_tokens: int | None = None) -> StepOutput | None:
         """Prefill up to ``max_tokens`` more prompt tokens (None: all the rest), a chunk a call
-        (``selfspec.prefill``); once the prompt is done, commit the first token and return its
-        output (as ``start``), until then None."""
+        (``selfspec.prefill``) in a forward of its own; once the prompt is done, commit the
+        first token and return its output (as ``start``), until then None."""
+        _, chunk = self.next_prefill_chunk(max_tokens)
+        return self.run_chunk(chunk)
+
+    def run_chunk(self, chunk: PrefillChunk) -> StepOutput | None:
+        """Run ``chunk`` (``next_prefill_chunk``'s) in a forward of its own and take it in
+        (``absorb_prefill``)."""
+        if self._prefill is None:
+            raise RuntimeError("no prefill in progress")
+        started = time.perf_counter()
+        with torch.inference_mode(), self._scope():
+            features, tapped = run_prefill_chunk(self._owner.target, self._prefill, chunk)
+        return self.absorb_prefill(chunk, features, tapped, time.perf_counter() - started)
+
+    def next_prefill_chunk(
+        self, max_tokens: int | None = None
+    ) -> tuple[PrefillProgress, PrefillChunk]:
+        """The prefill (begun on the first call: a cached prefix of the prompt copied into its
+        cache) and the prompt tokens its next chunk runs, up to ``max_tokens`` (None: the
+        rest), for a forward of its own (``prefill``) or one shared with other requests
+        (``selfspec.batched_verify.verify_rows``); then ``absorb_prefill``."""
         if self._state is not None:
             raise RuntimeError("the stream was already started")
         owner = self._owner
@@ -837,8 +881,27 @@ class GenerationStream:
                     self._prompt_ids, dtype=torch.long, device=owner.target.device
                 )
                 self._prefill = owner.begin_prefill(prompt, self._config)
-            state = owner.prefill_chunk(self._prefill, self._config, max_tokens)
+            chunk = owner.next_prefill_chunk(self._prefill, max_tokens)
         self._prefill_seconds += time.perf_counter() - started
+        return self._prefill, chunk
+
+    def absorb_prefill(
+        self,
+        chunk: PrefillChunk,
+        features: torch.Tensor,  # [n, H]
+        tapped: torch.Tensor | None,  # [n, k * H]
+        seconds: float,
+    ) -> StepOutput | None:
+        """Take the forward of ``chunk`` (``seconds``: its share of that forward's time);
+        once the prompt is done, commit the first token and return its output, until then
+        None."""
+        if self._prefill is None or self._state is not None:
+            raise RuntimeError("no prefill in progress")
+        owner = self._owner
+        started = time.perf_counter()
+        with torch.inference_mode(), self._scope():
+            state = owner.absorb_prefill_chunk(self._prefill, self._config, chunk, features, tapped)
+        self._prefill_seconds += seconds + time.perf_counter() - started
         if state is None:
             return None
         self._prefill = None
@@ -1059,7 +1122,7 @@ def _take_draft_features(state: RequestState) -> torch.Tensor:
     return draft_features  # [T, k * H]
 
 
-def _after_prefix_mask(start: int, end: int, target: TargetForward) -> torch.Tensor:
+def after_prefix_mask(start: int, end: int, target: TargetForward) -> torch.Tensor:
     """Prompt tokens start..end-1 over a cache holding the first ``start``: all of it visible,
     causal among themselves. # [1, 1, end - start, end] additive float mask"""
     size = end - start

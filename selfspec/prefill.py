@@ -13,10 +13,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
-from selfspec.drafting.taps import LayerTaps
+from selfspec.drafting.taps import LayerTaps, maybe_capture
 from selfspec.prefix_cache import CachedPrefix
+from selfspec.target_forward import TargetForward
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """The prompt tokens one chunk runs: ``SpeculativeGenerator.next_prefill_chunk`` makes it,
+    a forward of its own or one shared with other requests runs it (over the prefill's cache),
+    ``absorb_prefill_chunk`` takes the results."""
+
+    tokens: torch.Tensor  # [n]
+    positions: torch.Tensor  # [n]
+    mask: torch.Tensor | None
+    """# [1, 1, n, end] additive: the cached prompt all visible, causal among themselves; None
+    for the first chunk over an empty cache (causal)."""
+    end: int
+    """Prompt tokens in the cache once the chunk has run."""
 
 
 @dataclass
@@ -40,3 +57,15 @@ class PrefillProgress:
     @property
     def remaining(self) -> int:
         return int(self.prompt.shape[0]) - self.done
+
+
+def run_prefill_chunk(
+    target: TargetForward, progress: PrefillProgress, chunk: PrefillChunk
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``chunk`` in a forward of its own over the prefill's cache: its last hidden states
+    # [n, H] and, with taps, its tapped layer states # [n, k * H]."""
+    with record_function("selfspec.prefill"), maybe_capture(progress.taps) as tapped:
+        features = target.features(
+            chunk.tokens[None], chunk.positions[None], progress.cache, chunk.mask
+        )
+    return features[0], None if tapped is None else tapped.stacked()[0]

@@ -1,12 +1,13 @@
 """The engine: ONE worker thread owns the model and advances the running requests in rounds.
 
-Iteration-level scheduling: each round, new requests prefill (one forward each), and every decoding
-request drafts its tree (the requests on one adapter together, one heads call per depth for all of
-them: `GenerationStream.draft_together`, which first advances their draft states over the last
-round's accepted paths, also in one call); then the trees of all of them are verified in ONE target
-forward (`selfspec.batched_verify`: ragged caches and trees, back to back where the kernels' whole
-body runs them, else padded and masked per row; each request's tree sized for that forward) under a
-mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each request
+Iteration-level scheduling: each round, new requests take a chunk of their prompt (up to the
+round's `prefill_chunk` budget), and every decoding request drafts its tree (the requests on one
+adapter together, one heads call per depth for all of them: `GenerationStream.draft_together`,
+which first advances their draft states over the last round's accepted paths, also in one call);
+then the trees of all of them, and the chunks, run in ONE target forward
+(`selfspec.batched_verify`: ragged caches and trees, back to back where the kernels' whole body
+runs them, else the trees padded and masked per row and each chunk in a forward of its own; each
+request's tree sized for that forward) under a mixed-adapter scope (`AdapterStore.batch_scope`: row i runs request i's adapter), and each request
 concludes its step (verify, commit, stream). Waiting requests join between rounds and finished or
 cancelled ones leave. Requests whose adapters fell back to peft form a batch of their own (one
 forward cannot mix the two LoRA paths). A request's state (KV cache, draft state, generator) is its
@@ -44,6 +45,7 @@ from selfspec.cost_curve import elapsed_seconds
 from selfspec.drafting.sizing import JointCandidate, joint_keep, ragged_keep
 from selfspec.generation import DraftedStep, GenerationResult, GenerationStream, StepOutput
 from selfspec.kv_commit import drop_uncommitted
+from selfspec.prefill import PrefillChunk, PrefillProgress
 from selfspec.serve.errors import APIError, overloaded, unavailable
 from selfspec.serve.fair_queue import FairQueue
 from selfspec.serve.metrics import ServerMetrics
@@ -127,6 +129,21 @@ class RequestHandle:
             self._pending = None
         for job in self.jobs:
             self._engine.cancel(job)
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """A prefilling job's chunk for this round."""
+
+    job: Job
+    progress: PrefillProgress
+    chunk: PrefillChunk
+
+
+def _or_empty(action: Callable[..., StepOutput | None], *args: object) -> StepOutput:
+    """``action``'s output, or an empty one while a prefill is not done."""
+    output = action(*args)
+    return output if output is not None else StepOutput([], "")
 
 
 class Engine:
@@ -355,8 +372,8 @@ class Engine:
                     self._cond.notify_all()
 
     def _round(self, jobs: list[Job]) -> list[Job]:
-        """One step of every job (prefill for new ones). Returns the jobs that left."""
-        left, decoding = [], []
+        """One step of every job (a prefill chunk for new ones). Returns the jobs that left."""
+        left, decoding, prefilling = [], [], []
         budget = self.prefill_chunk  # prompt tokens this round's prefills may run
         for job in jobs:
             if job.cancelled.is_set():
@@ -365,36 +382,51 @@ class Engine:
             elif job.stream.state is None:  # prefilling: a chunk while the budget lasts
                 if budget is not None and budget <= 0:
                     continue
-                remaining = job.stream.prefill_remaining
-                alive = self._guarded(job, partial(self._prefill, job, budget))
-                if not alive:
+                prefill = self._next_chunk(job, budget)
+                if prefill is None:
                     left.append(job)
+                    continue
+                prefilling.append(prefill)
                 if budget is not None:
-                    budget -= remaining - (job.stream.prefill_remaining if alive else 0)
+                    budget -= int(prefill.chunk.tokens.shape[0])
             else:
                 decoding.append(job)
         if not self.batch_verify:
+            for prefill in prefilling:
+                if not self._prefill_alone(prefill):
+                    left.append(prefill.job)
             for job in decoding:
                 self.metrics.batch_size.observe(1)
                 if not self._guarded(job, job.stream.step):
                     left.append(job)
             return left
-        for batch in self._batches(decoding):
-            left += self._step_together(batch)
+        chunks = {id(prefill.job): prefill for prefill in prefilling}
+        for batch in self._batches([prefill.job for prefill in prefilling] + decoding):
+            steps = [job for job in batch if id(job) not in chunks]
+            left += self._step_together(steps, [chunks[id(j)] for j in batch if id(j) in chunks])
         return left
 
-    def _prefill(self, job: Job, max_tokens: int | None) -> StepOutput:
-        """A chunk of ``job``'s prefill (the first pins its adapter); the first token's output
-        once its prompt is done, until then an empty one."""
-        if job.started is None:
-            job.started = time.perf_counter()
-            job.queue_seconds = job.started - job.admitted
-            self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
-            if self.store is not None:
-                # Resident for the whole request: never evicted between its steps.
-                job.resources.enter_context(self.store.pinned(job.adapter))
-        output = job.stream.prefill(max_tokens)
-        return output if output is not None else StepOutput([], "")
+    def _next_chunk(self, job: Job, max_tokens: int | None) -> _Prefill | None:
+        """``job``'s next prefill chunk (the first pins its adapter), or None when that fails
+        (the job has left)."""
+        try:
+            if job.started is None:
+                job.started = time.perf_counter()
+                job.queue_seconds = job.started - job.admitted
+                self.metrics.queue_wait.labels(job.label).observe(job.queue_seconds)
+                if self.store is not None:
+                    # Resident for the whole request: never evicted between its steps.
+                    job.resources.enter_context(self.store.pinned(job.adapter))
+            progress, chunk = job.stream.next_prefill_chunk(max_tokens)
+        except Exception as error:
+            self._fail(job, error)
+            return None
+        return _Prefill(job, progress, chunk)
+
+    def _prefill_alone(self, prefill: _Prefill) -> bool:
+        """Run ``prefill``'s chunk in a forward of its own; False once its job has left."""
+        job = prefill.job
+        return self._guarded(job, partial(_or_empty, job.stream.run_chunk, prefill.chunk))
 
     def _batches(self, jobs: list[Job]) -> list[list[Job]]:
         """Jobs whose trees can share one forward: the same target (their heads may differ), and
@@ -415,58 +447,84 @@ class Engine:
             batches.setdefault((id(job.stream.owner.target.model), on_peft), []).append(job)
         return list(batches.values())
 
-    def _step_together(self, jobs: list[Job]) -> list[Job]:
-        """One round of ``jobs``, speculating or not as the gate says (timed for it); a seeded
-        sampled request speculates always, so that its seed repeats its output."""
+    def _step_together(self, jobs: list[Job], prefills: Sequence[_Prefill] = ()) -> list[Job]:
+        """One round of ``jobs`` (and the chunks of ``prefills``, in the same forward),
+        speculating or not as the gate says (timed for it, in rounds without prefill chunks,
+        whose time is not the decoding's); a seeded sampled request speculates always, so that
+        its seed repeats its output."""
         gate = self.speculation_gate
         gated = gate is not None and any(
             job.speculate and job.stream.trees_may_vary for job in jobs
         )
         speculate = gate.choose(len(jobs)) if gated else True
         started, committed = time.perf_counter(), self._committed_tokens
-        left = self._draft_and_verify(jobs, speculate)
-        if gated:
+        left = self._draft_and_verify(jobs, speculate, prefills)
+        if gated and not prefills:
             seconds = time.perf_counter() - started
             gate.observe(len(jobs), speculate, self._committed_tokens - committed, seconds)
         return left
 
-    def _draft_and_verify(self, jobs: list[Job], speculate: bool) -> list[Job]:
+    def _draft_and_verify(
+        self, jobs: list[Job], speculate: bool, prefills: Sequence[_Prefill] = ()
+    ) -> list[Job]:
         """Draft each job's tree (unless ``speculate``, its root alone, or with its context
         chains when it is the only job: ``SpeculativeGenerator.draft``), verify them all in one
         target forward under a mixed-adapter scope, conclude each. Returns the jobs that left.
-        Should the shared forward fail, each drafted tree is verified alone, so one bad request
-        cannot fail the others."""
+        The chunks of ``prefills`` run in that forward too where it runs its rows back to back
+        (``batched_verify.ragged_possible``), else each in a forward of its own. Should the
+        shared forward fail, each drafted tree is verified alone and each chunk run alone, so
+        one bad request cannot fail the others."""
         left: list[Job] = []
-        drafted = self._draft_groups(jobs, speculate, left)
+        drafted = self._draft_groups(jobs, speculate, left) if jobs else []
         drafted = self._sized_together(drafted, left)
-        if not drafted:
+        owner = drafted[0][0] if drafted else prefills[0].job if prefills else None
+        if owner is None:
             return left
-        if len(drafted) == 1:
+        target = owner.stream.owner.target
+        if prefills and not ragged_possible(target):
+            left += [p.job for p in prefills if not self._prefill_alone(p)]
+            prefills = ()
+        if len(drafted) == 1 and not prefills:
             job, step = drafted[0]
             self.metrics.batch_size.observe(1)
             return left + ([] if self._guarded(job, partial(job.stream.verify, step)) else [job])
-        target = drafted[0][0].stream.owner.target
         sizes = [step.tree.size for _, step in drafted]
         try:
-            names = [job.adapter for job, _ in drafted]
+            names = [job.adapter for job, _ in drafted] + [p.job.adapter for p in prefills]
             scope = self.store.batch_scope(names) if self.store is not None else nullcontext()
             started = time.perf_counter()
             with torch.inference_mode(), scope:
-                verified = verify_rows(target, [(job.stream.state, step) for job, step in drafted])
+                verified = verify_rows(
+                    target,
+                    [(job.stream.state, step) for job, step in drafted],
+                    [(p.progress, p.chunk) for p in prefills],
+                )
                 features = verified.features
-                logits = target.logits(torch.cat(features)).split(sizes)  # [T_b, vocab] each
+                if drafted:  # [T_b, vocab] each
+                    logits = target.logits(torch.cat(features)).split(sizes)
             seconds = elapsed_seconds(started, target.device)
         except Exception:
-            logger.exception("batched verification of %d requests failed; one by one", len(drafted))
+            logger.exception(
+                "a shared forward of %d trees and %d prefill chunks failed; one by one",
+                len(drafted),
+                len(prefills),
+            )
             for job, step in drafted:
                 state = job.stream.state
                 drop_uncommitted(state.cache, state.committed_len)  # what the forward appended
                 self.metrics.batch_size.observe(1)
                 if not self._guarded(job, partial(job.stream.verify, step)):
                     left.append(job)
+            for prefill in prefills:
+                drop_uncommitted(prefill.progress.cache, prefill.progress.done)
+                if not self._prefill_alone(prefill):
+                    left.append(prefill.job)
             return left
-        self.metrics.batch_size.observe(len(drafted))
-        for (job, step), own, own_logits in zip(drafted, features, logits, strict=True):
+        if drafted:
+            self.metrics.batch_size.observe(len(drafted))
+        for (job, step), own, own_logits in zip(
+            drafted, features, logits if drafted else (), strict=True
+        ):
             job.stream.owner.observe_verification(
                 job.stream.state, seconds, verified.forward_tokens
             )
@@ -474,6 +532,11 @@ class Engine:
             conclude = partial(job.stream.conclude, step, own, own_logits, defer_advance=True)
             if not self._guarded(job, conclude):
                 left.append(job)
+        for prefill, (own, tapped) in zip(prefills, verified.prefills, strict=True):
+            share = seconds * int(prefill.chunk.tokens.shape[0]) / verified.forward_tokens
+            absorb = partial(prefill.job.stream.absorb_prefill, prefill.chunk, own, tapped, share)
+            if not self._guarded(prefill.job, partial(_or_empty, absorb)):
+                left.append(prefill.job)
         return left
 
     def _draft_groups(

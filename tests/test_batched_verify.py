@@ -22,6 +22,7 @@ from selfspec.generation import GenerationConfig, SpeculativeGenerator
 from selfspec.heads import build_heads, heads_config_for
 from selfspec.kernels import extension
 from selfspec.kernels.modules import install_kernels
+from selfspec.prefill import run_prefill_chunk
 from selfspec.sampling import SamplingParams
 from selfspec.tree import DynamicTree, StaticTree
 
@@ -295,3 +296,54 @@ def test_rows_over_their_own_caches_give_the_stacked_and_the_lone_bits(
             )
     for got, want in zip(own, alone, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(extension.load() is None, reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_prefill_chunks_share_the_forward_with_the_trees(kind: str) -> None:
+    """A prefilling request's chunk runs back to back with the others' trees: its features,
+    tapped layer states (EAGLE-3) and cache entries equal those of the chunk's forward of its
+    own, bit for bit; the trees' are unchanged, and so is the finished prefill's first token."""
+    model = make_tiny_model("llama", seed=0).eval()
+    install_kernels(model, "float32")
+    heads = build_heads(heads_config_for(model, kind)).eval()
+    generator = SpeculativeGenerator(model, heads)
+    configs = _configs()[:2]
+    long_prompt = [1, *range(20, 33)]  # 14 tokens: chunks of 5, 5, 4
+
+    def run(shared: bool) -> tuple:
+        streams = [generator.stream(p, c) for p, c in zip(PROMPTS[:2], configs, strict=True)]
+        for stream in streams:
+            stream.start()
+        drafted = [stream.draft() for stream in streams]
+        late = generator.stream(long_prompt, configs[0])
+        late.prefill(5)  # the first chunk alone; the next one shares the forward
+        progress, chunk = late.next_prefill_chunk(5)
+        with torch.inference_mode():
+            if shared:
+                verified = batched_verify.verify_rows(
+                    generator.target,
+                    [(s.state, d) for s, d in zip(streams, drafted, strict=True)],
+                    [(progress, chunk)],
+                )
+                assert verified.forward_tokens == sum(d.tree.size for d in drafted) + 5
+                trees, (own, tapped) = verified.features, verified.prefills[0]
+            else:
+                trees = verify_features(
+                    generator.target, [(s.state, d) for s, d in zip(streams, drafted, strict=True)]
+                )
+                own, tapped = run_prefill_chunk(generator.target, progress, chunk)
+        assert late.absorb_prefill(chunk, own, tapped, 0.0) is None
+        first = late.prefill()  # the last chunk alone: the first token
+        cache = [(layer.keys.clone(), layer.values.clone()) for layer in late.state.cache.layers]
+        return trees, own, tapped, cache, first.token_ids
+
+    shared, apart = run(shared=True), run(shared=False)
+    assert (shared[2] is not None) == (kind == "eagle3")
+    for a, b in zip(shared[0] + [shared[1]], apart[0] + [apart[1]], strict=True):
+        assert torch.equal(a, b)
+    if kind == "eagle3":
+        assert torch.equal(shared[2], apart[2])
+    for (keys_a, values_a), (keys_b, values_b) in zip(shared[3], apart[3], strict=True):
+        assert torch.equal(keys_a, keys_b) and torch.equal(values_a, values_b)
+    assert shared[4] == apart[4]

@@ -1,6 +1,7 @@
 """Chunked prefill in the server: a long prompt arriving while another request decodes is
-prefilled a few tokens per round, the other request keeps committing tokens in between, and both
-outputs equal those of a server that prefills whole prompts."""
+prefilled a few tokens per round, in the same forward as the other request's tree (on the
+kernels), the other request keeps committing tokens in between, and both outputs equal those of
+a server that prefills whole prompts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import threading
 import httpx
 import pytest
 
+from selfspec.batched_verify import verify_rows
 from selfspec.generation import GenerationStream
+from selfspec.serve import engine as engine_module
 
 LONG = "Once upon a time there was a long prompt that goes on. " * 4
 SHORT = "hi"
@@ -30,19 +33,25 @@ def test_a_long_prompt_is_prefilled_between_the_others_rounds(
     with server_for(prefill_chunk=0) as (url, _, _):
         whole = [_complete(url, SHORT, SHORT_TOKENS), _complete(url, LONG, 8)]
     events: list[tuple[str, int]] = []  # ("prefill", remaining after) / ("decode", 0), in order
-    prefill, after_step = GenerationStream.prefill, GenerationStream._after_step
+    absorb, after_step = GenerationStream.absorb_prefill, GenerationStream._after_step
+    forwards: list[tuple[int, int]] = []  # (trees, prefill chunks) of each shared forward
 
-    def spy_prefill(self: GenerationStream, max_tokens: int | None = None):  # noqa: ANN202
-        output = prefill(self, max_tokens)
+    def spy_prefill(self: GenerationStream, *args: object):  # noqa: ANN202
+        output = absorb(self, *args)  # a chunk taken in (from its own or a shared forward)
         events.append(("prefill", self.prefill_remaining))
         return output
+
+    def spy_forward(target, requests, prefills=()):  # noqa: ANN001, ANN202
+        forwards.append((len(requests), len(prefills)))
+        return verify_rows(target, requests, prefills)
 
     def spy_step(self: GenerationStream, *args: object, **kwargs: object):  # noqa: ANN202
         events.append(("decode", 0))  # a decoding step committed (alone or in a batch)
         return after_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(GenerationStream, "prefill", spy_prefill)
+    monkeypatch.setattr(GenerationStream, "absorb_prefill", spy_prefill)
     monkeypatch.setattr(GenerationStream, "_after_step", spy_step)
+    monkeypatch.setattr(engine_module, "verify_rows", spy_forward)
     with server_for(prefill_chunk=4, max_running=4) as (url, state, _):
         assert state.engine.prefill_chunk == 4
         short: list[str] = []
@@ -64,3 +73,6 @@ def test_a_long_prompt_is_prefilled_between_the_others_rounds(
     last_chunk = events.index(("prefill", 0), first_chunk)
     between = [kind for kind, _ in events[first_chunk:last_chunk]]
     assert between.count("decode") >= 5  # the short request kept decoding meanwhile
+    # The chunks ran in the rounds' forward, beside the short request's tree (the tiny model
+    # runs on the kernels' whole body here, which takes both back to back).
+    assert sum(1 for trees, chunks in forwards if trees and chunks) >= 5

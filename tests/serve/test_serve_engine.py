@@ -96,15 +96,16 @@ def test_concurrent_requests_on_different_adapters_equal_serial(
 
 def test_a_failed_batched_forward_is_retried_one_by_one(server_for, monkeypatch) -> None:
     """The shared forward fails after appending KV entries to the caches: every request verifies
-    its tree again alone, from a cache with those entries dropped, and its output is unchanged."""
+    its tree again alone (and runs its prefill chunk alone), from a cache with those entries
+    dropped, and its output is unchanged."""
     import selfspec.serve.engine as engine_module
 
     real = engine_module.verify_rows
     failures = []
 
-    def fails_after_the_forward(target, requests):
-        real(target, requests)  # the caches now hold the trees' entries
-        failures.append(len(requests))
+    def fails_after_the_forward(target, requests, prefills=()):
+        real(target, requests, prefills)  # the caches now hold the trees' and chunks' entries
+        failures.append((len(requests), len(prefills)))
         raise RuntimeError("injected failure after the batched forward")
 
     with server_for(max_running=8, max_queue=8) as (url, state, _):
@@ -114,7 +115,8 @@ def test_a_failed_batched_forward_is_retried_one_by_one(server_for, monkeypatch)
         with ThreadPoolExecutor(len(bodies)) as pool:
             replies = list(pool.map(lambda body: _post(url, body), bodies))
         monkeypatch.undo()
-        assert failures, "no batched forward ran"
+        assert any(trees > 1 for trees, _ in failures), "no batched forward of trees ran"
+        assert any(chunks for _, chunks in failures), "no prefill ran in a shared forward"
         assert [r.status_code for r in replies] == [200] * len(bodies)
         assert [r.json()["choices"][0]["text"] for r in replies] == serial
         assert httpx.get(f"{url}/health").status_code == 200
