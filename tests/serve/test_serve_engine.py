@@ -108,7 +108,8 @@ def test_a_failed_batched_forward_is_retried_one_by_one(server_for, monkeypatch)
         failures.append((len(requests), len(prefills)))
         raise RuntimeError("injected failure after the batched forward")
 
-    with server_for(max_running=8, max_queue=8) as (url, state, _):
+    # Chunks of 2 prompt tokens: a prompt's earlier chunks share the rounds' forward.
+    with server_for(max_running=8, max_queue=8, prefill_chunk=2) as (url, state, _):
         bodies = [{**b, "max_tokens": 16, "ignore_eos": True} for b in REQUESTS]
         serial = [_post(url, body).json()["choices"][0]["text"] for body in bodies]
         monkeypatch.setattr(engine_module, "verify_rows", fails_after_the_forward)

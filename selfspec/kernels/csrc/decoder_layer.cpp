@@ -102,8 +102,9 @@ DecoderLayerPlan make_plan(torch::Tensor input_norm, double input_eps, torch::Te
 // [in, r], `b` [r, out]: every row adds x a b; `a` 3-D [B, in, r], `b` [B, r, out]: row i adds
 // x[i] a[i] b[i]. The same ATen ops as the hooks that describe them, so the same bits. With
 // `segments` (a ragged body: hidden [1, S, H] holding G segments back to back, segment g the
-// tokens [offset, offset + length) of each pair), a 3-D delta has one row per segment, and the
-// segment's tokens add x a[g] b[g] with the 2-D ops of a forward of its own.
+// tokens [offset, offset + length) of each pair), a 3-D delta has one row per segment: segments
+// of one length add it as the padded layout does (one batched product), others each with the
+// 2-D ops of a forward of its own (a call per segment: dearer in ATen calls, no padding).
 struct LayerDeltas {
   torch::Tensor a[7], b[7];
   const std::vector<std::pair<int64_t, int64_t>>* segments = nullptr;
@@ -119,13 +120,20 @@ torch::Tensor plus_delta(torch::Tensor out, const torch::Tensor& x, const Kernel
     out.view({-1, w.N}).addmm_(at::mm(x.reshape({-1, w.K}), a), b);
   } else if (d.segments != nullptr) {
     const auto& segments = *d.segments;
-    TORCH_CHECK(a.size(0) == static_cast<int64_t>(segments.size()), "a per-segment delta of ",
-                a.size(0), " rows met ", segments.size(), " segments");
-    const torch::Tensor rows = x.reshape({-1, w.K}), outs = out.view({-1, w.N});
-    for (size_t g = 0; g < segments.size(); ++g) {
-      const auto [offset, length] = segments[g];
-      outs.narrow(0, offset, length)
-          .addmm_(at::mm(rows.narrow(0, offset, length), a[g]), b[g]);
+    const int64_t G = static_cast<int64_t>(segments.size()), n = segments[0].second;
+    TORCH_CHECK(a.size(0) == G, "a per-segment delta of ", a.size(0), " rows met ", G,
+                " segments");
+    bool equal = true;
+    for (const auto& segment : segments) equal = equal && segment.second == n;
+    if (equal) {  // as a batch of G rows of n tokens: the padded layout's ops, one call each
+      out.view({G, n, w.N}).baddbmm_(at::bmm(x.reshape({G, n, w.K}), a), b);
+    } else {  // each segment as a forward of its own would add it
+      const torch::Tensor rows = x.reshape({-1, w.K}), outs = out.view({-1, w.N});
+      for (int64_t g = 0; g < G; ++g) {
+        const auto [offset, length] = segments[g];
+        outs.narrow(0, offset, length)
+            .addmm_(at::mm(rows.narrow(0, offset, length), a[g]), b[g]);
+      }
     }
   } else {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == a.size(0), "a per-row delta of ", a.size(0),
