@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,20 +135,26 @@ def test_keep_as_drawn_decides_each_node_from_the_scores_at_and_above_it() -> No
         TreeSizer(linear, drafting_seconds=-1.0)
 
 
-def test_joint_keep_as_drawn_decides_each_count_from_the_ranks_up_to_it() -> None:
-    """The batch's stopping rule: whether count c is kept depends on every request's scores at
-    ranks up to c only, and it keeps at least the best count (drafting priced alike)."""
+def _random_batches(count: int = 40) -> Iterator[list[JointCandidate]]:
+    """Batches of 3 requests with 1-8 drafted nodes each (random scores, best first), priced
+    on a curve flat up to 4 tokens, 2 ms of drafting each."""
     curve = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
     generator = torch.Generator().manual_seed(0)
-    for _ in range(40):
+    for _ in range(count):
         lists = [
             torch.rand(int(n), generator=generator).sort(descending=True).values.tolist()
             for n in torch.randint(1, 9, (3,), generator=generator)
         ]
-        batch = [
+        yield [
             JointCandidate(TreeSizer(curve, drafting_seconds=0.002), _log(p), 0.002, horizon=8)
             for p in lists
         ]
+
+
+def test_joint_keep_as_drawn_decides_each_count_from_the_ranks_up_to_it() -> None:
+    """The batch's stopping rule: whether count c is kept depends on every request's scores at
+    ranks up to c only, and it keeps at least the best count (drafting priced alike)."""
+    for batch in _random_batches():
         kept = joint_keep(batch, batch_size=3, as_drawn=True)
         assert kept >= joint_keep(batch, batch_size=3)
         # Scores beyond rank kept + 1 changed (still best first): the same count.
@@ -191,17 +198,7 @@ def test_ragged_keep_gives_sure_requests_deep_trees_and_unsure_ones_none() -> No
 def test_ragged_keep_as_drawn_decides_each_node_from_the_nodes_before_it() -> None:
     """The stopping rule over the batch's nodes in likelihood order: lowering any request's
     scores past the first node dropped changes no count, and it keeps at least the best total."""
-    curve = CostCurve(sizes=(1, 4, 8, 16, 32), seconds=(0.010, 0.010, 0.012, 0.020, 0.040))
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        lists = [
-            torch.rand(int(n), generator=generator).sort(descending=True).values.tolist()
-            for n in torch.randint(1, 9, (3,), generator=generator)
-        ]
-        batch = [
-            JointCandidate(TreeSizer(curve, drafting_seconds=0.002), _log(p), 0.002, horizon=8)
-            for p in lists
-        ]
+    for batch in _random_batches():
         counts = ragged_keep(batch, as_drawn=True)
         assert sum(counts) >= sum(ragged_keep(batch))
         changed = [

@@ -249,6 +249,18 @@ def _ragged_inputs(body: LeanBody, sizes: tuple[int, ...], prompt_lengths: tuple
     return caches, trees, positions, masks
 
 
+def _rows_forward(body: LeanBody, caches, trees, positions, masks, dtype) -> torch.Tensor | None:
+    """``body.rows_forward`` of the trees back to back, each over its own cache # [1, N, H]."""
+    with torch.inference_mode():
+        return body.rows_forward(
+            torch.cat(trees)[None],
+            torch.cat(positions)[None],
+            caches,
+            [int(tree.shape[0]) for tree in trees],
+            [mask.to(dtype) for mask in masks],
+        )
+
+
 @pytest.mark.parametrize("mode", ["float32", "bfloat16", "int4", "float32:int24"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_rows_give_each_requests_own_bits(arch: str, mode: str) -> None:
@@ -259,14 +271,7 @@ def test_ragged_rows_give_each_requests_own_bits(arch: str, mode: str) -> None:
     sizes, prompts = (3, 6, 1), (7, 4, 9)
     caches, trees, positions, masks = _ragged_inputs(body, sizes, prompts)
     dtype = next(model.parameters()).dtype
-    with torch.inference_mode():
-        ragged = body.rows_forward(
-            torch.cat(trees)[None],
-            torch.cat(positions)[None],
-            caches,
-            list(sizes),
-            [mask.to(dtype) for mask in masks],
-        )
+    ragged = _rows_forward(body, caches, trees, positions, masks, dtype)
     assert ragged is not None and ragged.shape[:2] == (1, sum(sizes))
     alone_caches, _, _, _ = _ragged_inputs(body, sizes, prompts)
     offset = 0
@@ -302,14 +307,7 @@ def test_ragged_rows_on_different_adapters_give_each_requests_own_bits(mode: str
 
     caches, trees, positions, masks = prefilled()
     bank.select_rows(adapters)
-    with torch.inference_mode():
-        ragged = body.rows_forward(
-            torch.cat(trees)[None],
-            torch.cat(positions)[None],
-            caches,
-            list(sizes),
-            [mask.to(dtype) for mask in masks],
-        )
+    ragged = _rows_forward(body, caches, trees, positions, masks, dtype)
     assert ragged is not None
     alone_caches, _, _, _ = prefilled()
     offset = 0
@@ -324,14 +322,8 @@ def test_ragged_rows_on_different_adapters_give_each_requests_own_bits(mode: str
             assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
         offset += size
     bank.select_rows(["a", "b"])  # 2 rows selected; the forward has 3 segments
-    with torch.inference_mode(), pytest.raises(ValueError, match="mixed-adapter batch of 2 rows"):
-        body.rows_forward(
-            torch.cat(trees)[None],
-            torch.cat(positions)[None],
-            alone_caches,
-            list(sizes),
-            [mask.to(dtype) for mask in masks],
-        )
+    with pytest.raises(ValueError, match="mixed-adapter batch of 2 rows"):
+        _rows_forward(body, alone_caches, trees, positions, masks, dtype)
 
 
 def test_ragged_lengths_that_do_not_cover_the_tokens_are_refused() -> None:
