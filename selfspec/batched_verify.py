@@ -19,14 +19,14 @@ each row's features are the request's own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from selfspec.drafting.taps import LayerTaps
+from selfspec.drafting.taps import LayerTaps, TapRecord
 from selfspec.generation import DraftedStep, RequestState, after_prefix_mask
 from selfspec.prefill import PrefillChunk, PrefillProgress, run_prefill_chunk
 from selfspec.target_forward import TargetForward
@@ -108,11 +108,8 @@ def verify_rows(
     if not segments:
         return VerifiedRows([], [], 0)
     sizes = [int(segment.tokens.shape[0]) for segment in segments]
-    taps = {id(s.taps): s.taps for s in segments if s.taps is not None}
-    with contextlib.ExitStack() as stack:
-        records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
-        with record_function("selfspec.verify_forward"):
-            features = _ragged_forward(target, segments)  # [1, N, H]
+    with _tapped([s.taps for s in segments]) as records:
+        features = _ragged_forward(target, segments, sizes)  # [1, N, H]
     if features is not None:
         split = {key: record.stacked()[0].split(sizes) for key, record in records.items()}
         rows = list(features[0].split(sizes))
@@ -129,21 +126,32 @@ def verify_rows(
     )
 
 
+@contextlib.contextmanager
+def _tapped(taps: Sequence[LayerTaps | None]) -> Iterator[dict[int, TapRecord]]:
+    """Every distinct tap of ``taps`` recording the forward run inside, keyed by ``id``."""
+    distinct = {id(t): t for t in taps if t is not None}
+    with contextlib.ExitStack() as stack:
+        records = {key: stack.enter_context(t.capture()) for key, t in distinct.items()}
+        with record_function("selfspec.verify_forward"):
+            yield records
+
+
 def _chunk_mask(target: TargetForward, chunk: PrefillChunk) -> torch.Tensor:
-    """A prefill chunk's mask as a segment takes it # [1, n, end] additive."""
-    start = chunk.end - int(chunk.tokens.shape[0])
-    mask = chunk.mask if chunk.mask is not None else after_prefix_mask(start, chunk.end, target)
+    """A prefill chunk's mask as a segment takes it # [1, n, end] additive (a chunk without one
+    is the first, over an empty cache: causal)."""
+    mask = chunk.mask if chunk.mask is not None else after_prefix_mask(0, chunk.end, target)
     return mask[0]
 
 
-def _ragged_forward(target: TargetForward, segments: Sequence[_Segment]) -> torch.Tensor | None:
-    """The segments back to back in one whole-body forward, each over its own cache, none
-    padded # [1, N, H]; None where that cannot run (nothing is written then)."""
+def _ragged_forward(
+    target: TargetForward, segments: Sequence[_Segment], sizes: list[int]
+) -> torch.Tensor | None:
+    """The segments (of ``sizes`` tokens) back to back in one whole-body forward, each over its
+    own cache, none padded # [1, N, H]; None where that cannot run (nothing is written then)."""
     with record_function("selfspec.batch_buffers"):
         tokens = torch.cat([s.tokens for s in segments])[None]  # [1, N]
         positions = torch.cat([s.positions for s in segments])[None]  # [1, N]
         masks = [s.mask.to(target.dtype) for s in segments]  # [1, n_g, L_g + n_g] each
-    sizes = [int(s.tokens.shape[0]) for s in segments]
     return target.features_rows(tokens, positions, [s.cache for s in segments], sizes, masks)
 
 
@@ -160,11 +168,8 @@ def _apart(
     computed = 0
     if requests:
         sizes = [drafted.tree.size for _, drafted in requests]
-        taps = {id(state.taps): state.taps for state, _ in requests if state.taps is not None}
-        with contextlib.ExitStack() as stack:
-            records = {key: stack.enter_context(t.capture()) for key, t in taps.items()}
-            with record_function("selfspec.verify_forward"):
-                features = _padded_forward(target, requests)  # [B, T, H]
+        with _tapped([state.taps for state, _ in requests]) as records:
+            features = _padded_forward(target, requests)  # [B, T, H]
         states = {key: record.stacked() for key, record in records.items()}  # [B, T, k * H]
         rows += [features[row, :size] for row, size in enumerate(sizes)]
         tapped += [

@@ -400,10 +400,10 @@ class Engine:
                     continue
                 if budget is not None:
                     budget -= int(prefill.chunk.tokens.shape[0])
-                if prefill.last and not self._prefill_alone(prefill):
-                    left.append(job)
-                elif not prefill.last:
+                if not prefill.last:
                     prefilling.append(prefill)
+                elif not self._prefill_alone(prefill):
+                    left.append(job)
             else:
                 decoding.append(job)
         if not self.batch_verify:

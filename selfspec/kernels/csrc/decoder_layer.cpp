@@ -289,13 +289,14 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
   const bool ragged = !lengths.empty();
   TORCH_CHECK(!ragged || B == 1, "ragged segments come as hidden [1, S, H], got ", hidden.sizes());
   const int64_t G = ragged ? static_cast<int64_t>(lengths.size()) : B;
-  std::vector<int64_t> offsets(G), sizes(G);  // segment g: tokens [offsets[g], + sizes[g])
+  // Segment g: (offset, length), its tokens [offset, offset + length) of its row of hidden.
+  std::vector<std::pair<int64_t, int64_t>> segments(G);
   int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
-    sizes[g] = ragged ? lengths[g] : S;
-    TORCH_CHECK(sizes[g] >= 1, "segment ", g, " has ", sizes[g], " tokens");
-    offsets[g] = ragged ? total : 0;
-    total += sizes[g];
+    const int64_t n = ragged ? lengths[g] : S;
+    TORCH_CHECK(n >= 1, "segment ", g, " has ", n, " tokens");
+    segments[g] = {ragged ? total : 0, n};
+    total += n;
   }
   TORCH_CHECK(!ragged || total == S, "the segments' lengths sum to ", total, ", hidden has ", S,
               " tokens");
@@ -317,7 +318,7 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
     TORCH_CHECK(starts[g] >= 0, "segment ", g, ": negative start");
     if (!masks[g].has_value()) continue;
     const torch::Tensor& mask = *masks[g];
-    const int64_t n = sizes[g];
+    const int64_t n = segments[g].second;
     TORCH_CHECK(mask.dim() == 3 && mask.size(0) == 1 && mask.size(1) == n &&
                     mask.size(2) == starts[g] + n,
                 "segment ", g, "'s mask must be [1, ", n, ", ", starts[g] + n, "], got ",
@@ -325,11 +326,7 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
     segment_masks[g] = mask.to(torch::kFloat32).contiguous();
   }
   LayerDeltas deltas;
-  std::vector<std::pair<int64_t, int64_t>> segments;  // (offset, length) of each, ragged only
-  if (ragged) {
-    for (int64_t g = 0; g < G; ++g) segments.emplace_back(offsets[g], sizes[g]);
-    deltas.segments = &segments;
-  }
+  if (ragged) deltas.segments = &segments;
   std::vector<torch::Tensor> out(1 + capture.size());
   for (size_t l = 0; l < L; ++l) {
     const DecoderLayerPlan& p = body.layers[l];
@@ -349,7 +346,8 @@ std::vector<torch::Tensor> decoder_body(const BodyPlan& body, torch::Tensor hidd
     std::vector<torch::Tensor> attended(G);
     for (int64_t g = 0; g < G; ++g) {
       const torch::Tensor &keys = key_buffers[l * G + g], &values = value_buffers[l * G + g];
-      const int64_t row = ragged ? 0 : g, offset = offsets[g], n = sizes[g];
+      const auto [offset, n] = segments[g];
+      const int64_t row = ragged ? 0 : g;
       const int64_t start = starts[g], end = start + n;
       TORCH_CHECK(keys.dim() == 4 && keys.size(0) == 1 && keys.size(1) == p.kv_heads &&
                       keys.size(3) == p.head_dim && keys.size(2) >= end &&
